@@ -1,0 +1,77 @@
+"""One tree of validated D-Cut settings, shared by the CLI, the vLLM plugin and the deployments."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Mode = Literal["off", "fixed", "auto", "continuous"]
+
+
+class DCutSettings(BaseModel):
+    """How D-Cut decides, per engine step, how many drafts to verify.
+
+    Given to vLLM as ``additional_config={"dcut": {...}}``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Mode = Field("auto", description="off: keep all; fixed: a global keep ratio; auto: the four "
+                       "reference buckets; continuous: any budget on the measured cost staircase.")
+    fixed_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Keep ratio used by mode=fixed.")
+    count_bonus: bool = Field(False, description="Count the bs bonus/anchor tokens in U's numerator.")
+    fallback_ratio: float = Field(0.75, gt=0.0, le=1.0,
+                                  description="Keep ratio when no cost covers this batch size.")
+    min_budget: int = Field(0, ge=0, description="Floor on drafts kept across the batch.")
+    min_saving: float = Field(0.0, ge=0.0, lt=1.0,
+                              description="Keep full width unless the chosen budget saves at least "
+                              "this fraction of the full-width cost (compaction is not free).")
+    calibrate: bool = Field(False, description="Map raw confidence to observed acceptance per position.")
+    # Cost table
+    cost_table: str | None = Field(None, description="Path of a cost table JSON to use instead of profiling.")
+    cache_dir: str | None = Field(None, description="Where profiled tables are cached by fingerprint "
+                                  "(default ~/.cache/dcut).")
+    profile: bool = Field(True, description="Profile a cost table at engine start when none is given.")
+    profile_batch_sizes: list[int] | None = Field(
+        None, description="Batch sizes to profile (default: powers of two up to max_num_seqs).")
+    profile_context_len: int = Field(128, ge=1, description="Context length of the dummy profiling requests.")
+    profile_warmups: int = Field(2, ge=0)
+    profile_repeats: int = Field(3, ge=1)
+    refine: bool = Field(True, description="Refine the cost table from timed live steps.")
+    stats_window: int = Field(512, ge=1, description="How many recent steps the stats ring keeps.")
+
+    @model_validator(mode="after")
+    def _sizes_positive(self) -> DCutSettings:
+        if self.profile_batch_sizes is not None and any(b < 1 for b in self.profile_batch_sizes):
+            raise ValueError("profile_batch_sizes must all be >= 1")
+        return self
+
+
+SpecMethod = Literal["none", "dflash", "draft_model"]
+
+EMBEDDED_MODELS = {
+    "dense": ("models/dense", "models/dense-dflash"),
+    "moe": ("models/moe", "models/moe-dflash"),
+}
+
+
+class EngineSettings(BaseModel):
+    """Everything needed to build a vLLM engine with (or without) D-Cut; one place for defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("models/dense", description="Target model folder (local path).")
+    draft: str | None = Field("models/dense-dflash", description="Drafter folder; None for plain decoding.")
+    method: SpecMethod = Field("dflash", description="Speculative method; 'none' decodes without a drafter.")
+    num_speculative_tokens: int = Field(15, ge=1, le=64, description="K, drafts per request per step.")
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = Field("float32", description="float32 on AVX2 CPUs (bf16 is 3-5x slower there).")
+    max_num_seqs: int = Field(64, ge=1)
+    max_model_len: int = Field(1024, ge=16)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    enforce_eager: bool = True
+    seed: int = 0
+    served_model_name: str | None = None
+    dcut: DCutSettings | None = Field(default_factory=DCutSettings,
+                                      description="D-Cut settings; None verifies every draft (full width).")
