@@ -1,0 +1,137 @@
+"""Online calibration of draft confidence against observed acceptance, per draft position.
+
+A drafter's softmax probability is not the probability that the target accepts the draft, and
+the gap differs by position. D-Cut ranks drafts across requests by these numbers, so a drafter
+that is over-confident at late positions makes it keep the wrong drafts. The calibrator counts,
+per (position, confidence bin), how often a draft that was actually reached was accepted, and
+maps a raw confidence to that rate (with a Beta prior centred on the raw value, so sparse bins
+stay close to raw).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class Calibrator:
+    """Maps raw confidence to the observed conditional acceptance probability, per position.
+
+    ``prior`` is the Beta prior's strength in pseudo-observations at the raw confidence;
+    bins with fewer than ``min_count`` observations are not used at all (raw passes through).
+    """
+
+    def __init__(self, k: int, bins: int = 10, prior: float = 4.0, min_count: int = 8) -> None:
+        if k < 1 or bins < 1 or prior < 0 or min_count < 0:
+            raise ValueError("need k >= 1, bins >= 1, prior >= 0, min_count >= 0")
+        self.k, self.bins, self.prior, self.min_count = k, bins, prior, min_count
+        # Per (position, raw-confidence bin): observations, acceptances, sum of raw confidence.
+        self.count = torch.zeros(k, bins, dtype=torch.float64)
+        self.accepted = torch.zeros(k, bins, dtype=torch.float64)
+        self.raw_sum = torch.zeros(k, bins, dtype=torch.float64)
+        # The same for the calibrated prediction made *before* each observation was counted
+        # (binned by calibrated value): an honest, out-of-sample reliability measure.
+        self.cal_count = torch.zeros(k, bins, dtype=torch.float64)
+        self.cal_accepted = torch.zeros(k, bins, dtype=torch.float64)
+        self.cal_sum = torch.zeros(k, bins, dtype=torch.float64)
+
+    def update(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
+        """Count one step's outcomes.
+
+        ``log_conf`` ``[n, K]`` are the raw log-confidences of the drafts; request i verified its
+        first ``proposed_depths[i]`` drafts and the first ``accepted[i]`` were accepted. Draft t
+        was reached (an observation) iff ``t <= accepted[i]`` and ``t < proposed_depths[i]``;
+        it was accepted iff ``t < accepted[i]``.
+        """
+        if log_conf.shape[0] == 0:
+            return
+        log_conf = log_conf[:, : self.k].detach().to("cpu", torch.float64)
+        k = log_conf.shape[1]
+        proposed = proposed_depths.detach().to("cpu", torch.int64).clamp(0, k).unsqueeze(1)
+        acc = accepted.detach().to("cpu", torch.int64).unsqueeze(1)
+        positions = torch.arange(k).unsqueeze(0)
+        observed = (positions <= acc) & (positions < proposed)
+        hit = (positions < acc).to(torch.float64)
+        raw = _prob(log_conf)
+        calibrated = self._calibrated_prob(log_conf)  # before counting this step
+        self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
+        self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
+
+    def calibrate(self, log_conf: Tensor) -> Tensor:
+        """Log of the calibrated acceptance probability, same shape and device as ``log_conf``.
+
+        Positions beyond the calibrator's ``k`` pass through unchanged.
+        """
+        out = log_conf.float().clone()
+        k = min(self.k, log_conf.shape[-1])
+        cal = self._calibrated_prob(log_conf[..., :k].detach().to("cpu", torch.float64))
+        out[..., :k] = cal.log().to(out.device, out.dtype)
+        return out
+
+    def reliability(self) -> dict[str, Any]:
+        """Per-position expected calibration error of raw and of calibrated confidence.
+
+        ECE = sum over bins of (bin share) x |acceptance rate - mean confidence|. The calibrated
+        ECE uses predictions made before each outcome was counted, so it is out-of-sample.
+        """
+        return {
+            "observations": self.count.sum(1).long().tolist(),
+            "ece_raw": _ece(self.count, self.accepted, self.raw_sum),
+            "ece_calibrated": _ece(self.cal_count, self.cal_accepted, self.cal_sum),
+            "acceptance_rate": _safe_div(self.accepted.sum(1), self.count.sum(1)),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state (a replica can hand it to a new one)."""
+        return {
+            "k": self.k, "bins": self.bins, "prior": self.prior, "min_count": self.min_count,
+            "count": self.count.tolist(), "accepted": self.accepted.tolist(),
+            "raw_sum": self.raw_sum.tolist(), "cal_count": self.cal_count.tolist(),
+            "cal_accepted": self.cal_accepted.tolist(), "cal_sum": self.cal_sum.tolist(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state["k"], state["bins"]) != (self.k, self.bins):
+            raise ValueError(f"calibrator state is for k={state['k']}, bins={state['bins']}; "
+                             f"this one has k={self.k}, bins={self.bins}")
+        self.prior, self.min_count = float(state["prior"]), int(state["min_count"])
+        for name in ("count", "accepted", "raw_sum", "cal_count", "cal_accepted", "cal_sum"):
+            setattr(self, name, torch.tensor(state[name], dtype=torch.float64))
+
+    def _bin(self, prob: Tensor) -> Tensor:
+        return (prob * self.bins).long().clamp_(0, self.bins - 1)
+
+    def _calibrated_prob(self, log_conf: Tensor) -> Tensor:
+        """Beta-smoothed bin acceptance rate, centred on the raw probability; raw for thin bins."""
+        raw = _prob(log_conf)
+        cell = torch.arange(log_conf.shape[-1]) * self.bins + self._bin(raw)
+        n = self.count.reshape(-1)[cell]
+        a = self.accepted.reshape(-1)[cell]
+        smoothed = (a + self.prior * raw) / (n + self.prior).clamp_min(1e-12)
+        return torch.where(n >= max(self.min_count, 1), smoothed, raw)
+
+    def _count(self, count: Tensor, accepted: Tensor, conf_sum: Tensor, prob: Tensor,
+               observed: Tensor, hit: Tensor) -> None:
+        cell = (torch.arange(prob.shape[1]) * self.bins + self._bin(prob))[observed]
+        count.view(-1).scatter_add_(0, cell, torch.ones_like(cell, dtype=torch.float64))
+        accepted.view(-1).scatter_add_(0, cell, hit[observed])
+        conf_sum.view(-1).scatter_add_(0, cell, prob[observed])
+
+
+def _prob(log_conf: Tensor) -> Tensor:
+    """Probability in [0, 1]; NaN counts as 0."""
+    return log_conf.exp().nan_to_num(nan=0.0).clamp(0.0, 1.0)
+
+
+def _ece(count: Tensor, accepted: Tensor, conf_sum: Tensor) -> list[float | None]:
+    total = count.sum(1)
+    gap = (accepted - conf_sum).abs().sum(1)  # sum_b n_b * |rate_b - conf_b|
+    return _safe_div(gap, total)
+
+
+def _safe_div(num: Tensor, den: Tensor) -> list[float | None]:
+    """Elementwise ratio as floats; None where the denominator is 0 (nothing observed)."""
+    return [None if d == 0 else float(x / d) for x, d in zip(num.tolist(), den.tolist(), strict=True)]
+

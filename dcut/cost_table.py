@@ -1,0 +1,246 @@
+"""Measured step cost by batch size and verify tokens (DESIGN.md section 2, "Cost table").
+
+Costs are measured, never assumed: dense and MoE curves differ by 2x. A table carries the
+fingerprint of what it was measured on, so a replica can reuse a table profiled elsewhere on the
+same hardware and model instead of profiling again, and never a table from anything else.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+from tqdm import tqdm
+
+import dcut
+from dcut.machine import cpu_model
+from dcut.selection import AUTO_RATIOS, bucket_budget
+
+PROFILE_RATIOS = (0.0, *AUTO_RATIOS)  # 0.0: a plain decode step, no drafts
+
+
+class Fingerprint(BaseModel):
+    """What a cost table was measured on; tables are only shared between equal fingerprints."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hardware: str
+    model: str
+    drafter: str | None = None
+    k: int
+    tensor_parallel_size: int = 1
+    dtype: str = "float32"
+    vllm_version: str = ""
+    dcut_version: str = dcut.__version__
+
+    def key(self) -> str:
+        """A short stable hash, usable as a cache file name."""
+        blob = json.dumps(self.model_dump(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class FingerprintMismatch(ValueError):
+    """A cost table measured on something else than what asks for it."""
+
+
+def current_hardware() -> str:
+    """The GPU name when CUDA is available, else the CPU model and core count."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{cpu_model()} x{os.cpu_count()}"
+
+
+Point = tuple[int, float, int]  # (verify tokens, ms, samples)
+
+
+class CostTable:
+    """Per profiled batch size, sorted points ``verify_tokens -> ms`` with sample counts.
+
+    A batch size not in the table uses the next larger profiled one (its dummy requests cover
+    ours); beyond the largest there is no cost. Between points the cost is linear in tokens, and
+    flat outside the profiled range.
+    """
+
+    def __init__(self, fingerprint: Fingerprint, points: dict[int, Iterable[Sequence[float]]]) -> None:
+        self.fingerprint = fingerprint
+        self.points: dict[int, list[Point]] = {}
+        for bs, row in points.items():
+            merged: dict[int, Point] = {}
+            for p in row:
+                t, ms, n = int(p[0]), float(p[1]), int(p[2]) if len(p) > 2 else 1
+                merged[t] = _combine(merged[t], (t, ms, n)) if t in merged else (t, ms, n)
+            if merged:
+                self.points[int(bs)] = sorted(merged.values())
+        self._sizes = sorted(self.points)
+        self._dense: dict[tuple[int, torch.device], Tensor] = {}
+
+    def covering(self, bs: int) -> int | None:
+        """The smallest profiled batch size ``>= bs``, or None beyond the table."""
+        i = bisect.bisect_left(self._sizes, bs)
+        return self._sizes[i] if i < len(self._sizes) else None
+
+    def lookup(self, bs: int, verify_tokens: int) -> float | None:
+        """Cost in ms of one step, or None when no profiled batch size covers ``bs``."""
+        cover = self.covering(bs)
+        if cover is None:
+            return None
+        row = self.points[cover]
+        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row]))
+
+    def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
+        """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
+
+        Interpolates once per covering batch size onto every integer token count up to the last
+        point, so a step's lookup is a single gather.
+        """
+        cover = self.covering(bs)
+        if cover is None:
+            return None
+        device = verify_tokens.device
+        dense = self._dense.get((cover, device))
+        if dense is None:
+            row = self.points[cover]
+            grid = np.arange(row[-1][0] + 1)
+            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row])
+            dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
+        return torch.take(dense, verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
+
+    def smoothed(self) -> CostTable:
+        """A copy whose cost never decreases with more tokens (cummax per batch size)."""
+        points = {}
+        for bs, row in self.points.items():
+            ms = np.maximum.accumulate([p[1] for p in row])
+            points[bs] = [(t, float(m), n) for (t, _, n), m in zip(row, ms, strict=True)]
+        return CostTable(self.fingerprint, points)
+
+    def refine(self, bs: int, verify_tokens: int, ms: float, weight: float = 0.05) -> None:
+        """Fold in one timed live step at the nearest point of the covering batch size.
+
+        The sample is clipped to [0.5x, 2x] of the current value before the moving average, so one
+        noisy step (a GC pause, a prefill sharing the step) cannot wreck the table; neighbours
+        are adjusted so the row stays non-decreasing in tokens.
+        """
+        cover = self.covering(bs)
+        if cover is None:
+            return
+        row = self.points[cover]
+        i = min(range(len(row)), key=lambda j: abs(row[j][0] - verify_tokens))
+        t, current, n = row[i]
+        sample = min(max(ms, 0.5 * current), 2.0 * current)
+        value = (1.0 - weight) * current + weight * sample
+        row[i] = (t, value, n + 1)
+        for j in range(i):
+            row[j] = (row[j][0], min(row[j][1], value), row[j][2])
+        for j in range(i + 1, len(row)):
+            row[j] = (row[j][0], max(row[j][1], value), row[j][2])
+        for key in [key for key in self._dense if key[0] == cover]:
+            del self._dense[key]
+
+    @classmethod
+    def merge(cls, tables: Sequence[CostTable]) -> CostTable:
+        """One table from several replicas' tables of the same fingerprint.
+
+        Points at the same (batch size, tokens) average weighted by sample count; all points are
+        kept, and the result is made monotone again (`smoothed`).
+        """
+        if not tables:
+            raise ValueError("merge needs at least one table")
+        fingerprint = tables[0].fingerprint
+        for table in tables[1:]:
+            if table.fingerprint != fingerprint:
+                raise ValueError(f"cannot merge tables of different fingerprints: "
+                                 f"{_differences(fingerprint, table.fingerprint)}")
+        rows: dict[int, list[Point]] = {}
+        for table in tables:
+            for bs, row in table.points.items():
+                rows.setdefault(bs, []).extend(row)
+        return cls(fingerprint, rows).smoothed()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint.model_dump(),
+            "points": {str(bs): [list(p) for p in row] for bs, row in sorted(self.points.items())},
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CostTable:
+        return cls(Fingerprint(**data["fingerprint"]),
+                   {int(bs): row for bs, row in data["points"].items()})
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)  # atomic: a replica never reads a half-written table
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def load_for(cls, path: str | Path, fingerprint: Fingerprint) -> CostTable:
+        """Load a table, refusing one measured on anything other than ``fingerprint``."""
+        table = cls.load(path)
+        if table.fingerprint != fingerprint:
+            raise FingerprintMismatch(f"cost table {path} was measured on something else: "
+                                      f"{_differences(fingerprint, table.fingerprint)}")
+        return table
+
+
+def profile_token_points(bs: int, k: int, ratios: Sequence[float] = PROFILE_RATIOS) -> list[int]:
+    """The verify-token counts profiled for one batch size: ``bs + bucket_budget(ratio)``."""
+    return sorted({bs + bucket_budget(r, bs, k) for r in ratios})
+
+
+def profile_cost_table(
+    run_step: Callable[[int, int], None],
+    batch_sizes: Sequence[int],
+    k: int,
+    fingerprint: Fingerprint,
+    warmups: int = 2,
+    repeats: int = 3,
+    ratios: Sequence[float] = PROFILE_RATIOS,
+    timer: Callable[[], float] = time.perf_counter,
+    progress: bool = True,
+) -> CostTable:
+    """Time ``run_step(bs, verify_tokens)`` at each bucket's shape; median of the repeats, smoothed.
+
+    ``run_step`` must block until the step is done (synchronise the device) so the timing is real.
+    """
+    shapes = [(bs, t) for bs in batch_sizes for t in profile_token_points(bs, k, ratios)]
+    points: dict[int, list[Point]] = {}
+    for bs, tokens in tqdm(shapes, desc="dcut profile", unit="shape", disable=not progress):
+        for _ in range(warmups):
+            run_step(bs, tokens)
+        times = []
+        for _ in range(repeats):
+            start = timer()
+            run_step(bs, tokens)
+            times.append((timer() - start) * 1000.0)
+        points.setdefault(bs, []).append((tokens, statistics.median(times), repeats))
+    return CostTable(fingerprint, points).smoothed()
+
+
+def _combine(a: Point, b: Point) -> Point:
+    """Sample-count-weighted mean of two measurements of the same shape."""
+    n = a[2] + b[2]
+    return (a[0], (a[1] * a[2] + b[1] * b[2]) / n if n else (a[1] + b[1]) / 2, n)
+
+
+def _differences(want: Fingerprint, got: Fingerprint) -> str:
+    """``field: wanted 'x', table has 'y'`` for every field that differs."""
+    mine, theirs = want.model_dump(), got.model_dump()
+    return "; ".join(f"{name}: wanted {mine[name]!r}, table has {theirs[name]!r}"
+                     for name in mine if mine[name] != theirs[name])

@@ -1,0 +1,195 @@
+"""Per-step statistics, their rolling summaries, and throughput estimates (DESIGN.md section 5).
+
+A replica records one ``StepRecord`` per engine step, keeps the recent ones in a ``StepWindow``,
+and reports ``summary()`` to the controller. The estimate functions turn a cost table and the
+live acceptance curve into tokens/s per batch size, which the autoscaler and router compare
+against demand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dcut.selection import CostLookup, select
+from dcut.settings import DCutSettings
+
+
+@dataclass
+class StepRecord:
+    """What one engine step proposed, kept, accepted and cost."""
+
+    batch_size: int
+    proposed: int  # drafts proposed across the batch
+    kept: int  # drafts verified across the batch
+    accepted: int  # drafts accepted across the batch (bonus tokens not included)
+    accepted_per_position: list[int]  # [t]: requests whose draft t was accepted
+    kept_per_position: list[int]  # [t]: requests that verified draft t
+    ratio: float | None = None
+    budget: int | None = None
+    step_ms: float | None = None
+    selection_us: float | None = None
+    fallback: bool = False
+    timestamp: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
+        return cls(**data)
+
+
+class StepWindow:
+    """The last ``maxlen`` steps and their summaries."""
+
+    def __init__(self, maxlen: int = 512) -> None:
+        self.records: deque[StepRecord] = deque(maxlen=maxlen)
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def mean_keep_ratio(self) -> float | None:
+        """Mean over steps (that proposed anything) of kept / proposed."""
+        ratios = self._keep_ratios()
+        return sum(ratios) / len(ratios) if ratios else None
+
+    def mean_accepted_length(self) -> float | None:
+        """Accepted drafts per request-step."""
+        requests = sum(r.batch_size for r in self.records)
+        return sum(r.accepted for r in self.records) / requests if requests else None
+
+    def keep_ratio_histogram(self) -> list[int]:
+        """Steps per keep-ratio bin [0, 0.1), ..., [0.9, 1.0]."""
+        hist = [0] * 10
+        for ratio in self._keep_ratios():
+            hist[min(9, int(ratio * 10))] += 1
+        return hist
+
+    def position_acceptance(self) -> list[float | None]:
+        """[t]: accepted at t / verified at t, i.e. P(drafts 0..t accepted | draft t verified)."""
+        accepted = _sum_lists(r.accepted_per_position for r in self.records)
+        kept = _sum_lists(r.kept_per_position for r in self.records)
+        return [a / n if n else None for a, n in zip(accepted, kept, strict=False)]
+
+    def acceptance_curve(self) -> list[float]:
+        """[t]: P(a prefix of length t + 1 is accepted), made non-increasing (running minimum).
+
+        Positions never verified get 0: nothing is known there, and an estimate must not promise
+        tokens it has never seen.
+        """
+        curve, low = [], 1.0
+        for rate in self.position_acceptance():
+            low = 0.0 if rate is None else min(low, rate)
+            curve.append(low)
+        return curve
+
+    def batch_size_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(r.batch_size for r in self.records).items()))
+
+    def mean_step_ms(self) -> dict[int, float]:
+        """Mean measured step time per batch size."""
+        sums: dict[int, list[float]] = {}
+        for r in self.records:
+            if r.step_ms is not None:
+                sums.setdefault(r.batch_size, []).append(r.step_ms)
+        return {bs: sum(v) / len(v) for bs, v in sorted(sums.items())}
+
+    def summary(self) -> dict[str, Any]:
+        """Everything above as one JSON-able dict (string keys)."""
+        return {
+            "steps": len(self.records),
+            "mean_keep_ratio": self.mean_keep_ratio(),
+            "mean_accepted_length": self.mean_accepted_length(),
+            "keep_ratio_histogram": self.keep_ratio_histogram(),
+            "position_acceptance": self.position_acceptance(),
+            "acceptance_curve": self.acceptance_curve(),
+            "batch_size_histogram": {str(b): n for b, n in self.batch_size_histogram().items()},
+            "mean_step_ms": {str(b): ms for b, ms in self.mean_step_ms().items()},
+            "fallback_steps": sum(r.fallback for r in self.records),
+        }
+
+    def _keep_ratios(self) -> list[float]:
+        return [r.kept / r.proposed for r in self.records if r.proposed > 0]
+
+
+@dataclass(frozen=True)
+class ThroughputEstimate:
+    """Predicted steady state at one batch size."""
+
+    batch_size: int
+    tokens_per_step: float
+    step_ms: float
+    tokens_per_s: float
+    request_tokens_per_s: float  # per request: the latency side
+
+
+def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings: DCutSettings,
+                             cost: CostLookup | None) -> tuple[float, int]:
+    """``E(b) = b + sum of kept prefix scores`` with every request following ``acceptance_curve``.
+
+    Runs the real decision on a batch of ``b`` identical requests; returns E(b) and the number of
+    drafts it keeps.
+    """
+    if b <= 0:
+        return 0.0, 0
+    curve = torch.tensor(list(acceptance_curve), dtype=torch.float64).clamp(0.0, 1.0)
+    if curve.numel() == 0:
+        return float(b), 0
+    log_curve = curve.log()
+    log_conf = torch.diff(log_curve, prepend=log_curve.new_zeros(1)).nan_to_num(nan=-math.inf)
+    _, decision = select(log_conf.float().expand(b, -1).contiguous(), settings, cost)
+    # expected_accepted includes the b bonus tokens only with count_bonus; E(b) counts them once.
+    drafts = float(decision.expected_accepted) - (b if settings.count_bonus else 0)
+    return b + drafts, int(decision.kept)
+
+
+def step_time(b: int, kept: int, cost: CostLookup, draft_ms: float = 0.0) -> float | None:
+    """``T(b) = C_verify(b, b + kept) + C_draft(b)`` in ms; None beyond the cost table."""
+    costs = cost.costs(b, torch.tensor([b + kept]))
+    return None if costs is None else float(costs[0]) + draft_ms
+
+
+def throughput_by_batch_size(batch_sizes: Iterable[int], acceptance_curve: Sequence[float],
+                             settings: DCutSettings, cost: CostLookup,
+                             draft_ms: float = 0.0) -> list[ThroughputEstimate]:
+    """Tokens/s and per-request tokens/s at each batch size the cost table covers."""
+    estimates = []
+    for b in batch_sizes:
+        tokens, kept = expected_tokens_per_step(b, acceptance_curve, settings, cost)
+        ms = step_time(b, kept, cost, draft_ms) if b > 0 else None
+        if ms is None or ms <= 0:
+            continue
+        per_s = tokens * 1000.0 / ms
+        estimates.append(ThroughputEstimate(b, tokens, ms, per_s, per_s / b))
+    return estimates
+
+
+def capacity(estimates: Iterable[ThroughputEstimate], min_request_rate: float) -> float:
+    """Best tokens/s at a batch size whose per-request rate still meets the objective (0 if none)."""
+    return max((e.tokens_per_s for e in estimates if e.request_tokens_per_s >= min_request_rate),
+               default=0.0)
+
+
+def demand(running: int, waiting: int, per_request_rate: float) -> float:
+    """Tokens/s asked for now: every running and waiting request served at the objective rate."""
+    return (running + waiting) * per_request_rate
+
+
+def _sum_lists(lists: Iterable[list[int]]) -> list[int]:
+    total: list[int] = []
+    for values in lists:
+        if len(values) > len(total):
+            total.extend([0] * (len(values) - len(total)))
+        for t, v in enumerate(values):
+            total[t] += v
+    return total
