@@ -1,0 +1,32 @@
+"""Command-line flags for the engine and D-Cut settings, shared by generate, profile and sweep."""
+
+from __future__ import annotations
+
+import argparse
+
+from dcut.settings import EMBEDDED_MODELS, DCutSettings, EngineSettings
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    dense, dense_draft = EMBEDDED_MODELS["dense"]
+    parser.add_argument("--model", default=dense, help="target model folder (default: embedded Dense)")
+    parser.add_argument("--draft", default=dense_draft, help="drafter folder (default: its DFlash drafter)")
+    parser.add_argument("--method", default="dflash", choices=["dflash", "draft_model"])
+    parser.add_argument("--k", type=int, default=15, help="drafts per request per step")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--fixed-ratio", type=float, default=0.5, help="keep ratio of --mode fixed")
+    parser.add_argument("--count-bonus", action="store_true", help="count bonus tokens in U's numerator")
+    parser.add_argument("--calibrate", action="store_true", help="calibrate confidences online")
+    parser.add_argument("--cost-table", help="cost table JSON to use instead of profiling")
+    parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    """Validated settings from the flags (pydantic errors name the setting)."""
+    dcut = DCutSettings(fixed_ratio=args.fixed_ratio, count_bonus=args.count_bonus, calibrate=args.calibrate,
+                        cost_table=args.cost_table, cache_dir=args.cache_dir)
+    return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
+                          tensor_parallel_size=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,
+                          dcut=dcut)

@@ -1,0 +1,46 @@
+"""dcut generate: offline generation on a real vLLM engine, with D-Cut in any mode."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from dcut.cli import CommandError
+from dcut.commands.engine_args import add_engine_flags, engine_settings
+from dcut.vllm.offline import DEFAULT_PROMPTS, GENERATE_MODES, generate, load_prompts, settings_for_mode
+
+HELP = "Generate offline with vLLM (modes none/full/fixed/auto/continuous) and report the figures."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_engine_flags(parser)
+    parser.add_argument("--mode", choices=GENERATE_MODES, default="auto")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help=".jsonl ({'prompt': ...}) or .txt")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.max_tokens < 1:
+        raise CommandError("--batch-size and --max-tokens must be >= 1")
+    for path in (args.model, args.draft if args.mode != "none" else args.model):
+        if not Path(path).is_dir():
+            raise CommandError(f"model folder not found: {path}")
+    try:
+        prompts = load_prompts(args.prompts)
+        settings = settings_for_mode(args.mode, engine_settings(args))
+    except (ValueError, FileNotFoundError, ValidationError) as e:
+        raise CommandError(str(e)) from e
+    result = generate(settings, prompts, args.batch_size, args.max_tokens, temperature=args.temperature)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            if key not in ("keep_ratio_histogram", "calibration"):
+                print(f"{key:>24}: {value}")
+    return 0

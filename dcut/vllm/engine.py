@@ -1,0 +1,40 @@
+"""Engine settings -> vLLM engine arguments, with D-Cut wired in. The one door to build engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dcut.settings import EngineSettings
+
+WORKER_EXTENSION = "dcut.vllm.worker.DCutWorkerExtension"
+
+
+def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM(**kw)`` and ``AsyncEngineArgs(**kw)``."""
+    k = settings.num_speculative_tokens
+    kw: dict[str, Any] = dict(
+        model=str(Path(settings.model)),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens
+        or max(2048, settings.max_model_len, settings.max_num_seqs * (k + 1)),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=settings.enforce_eager,
+        seed=settings.seed,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+    if settings.served_model_name:
+        kw["served_model_name"] = settings.served_model_name
+    if settings.method != "none":
+        if not settings.draft:
+            raise ValueError(f"method {settings.method!r} needs a drafter path (settings.draft)")
+        kw["speculative_config"] = {"method": settings.method, "model": str(Path(settings.draft)),
+                                    "num_speculative_tokens": k}
+        # Drafts are cut before the next schedule: synchronous scheduling either way, so that
+        # D-Cut and full-width verification are compared on equal terms.
+        kw["async_scheduling"] = False
+        if settings.dcut is not None:
+            kw["additional_config"] = {"dcut": settings.dcut.model_dump()}
+    return kw

@@ -1,0 +1,102 @@
+"""Offline generation with a real vLLM engine, measured: what ``dcut generate`` and the sweep run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dcut.settings import DCutSettings, EngineSettings
+
+GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous")
+DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
+
+
+def settings_for_mode(mode: str, base: EngineSettings, dcut: DCutSettings | None = None) -> EngineSettings:
+    """``none``: no drafter; ``full``: every draft verified (D-Cut records stats, cuts nothing);
+    ``fixed``/``auto``/``continuous``: D-Cut in that mode."""
+    if mode not in GENERATE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(GENERATE_MODES)}")
+    dcut = dcut or DCutSettings()
+    if mode == "none":
+        return base.model_copy(update={"method": "none", "draft": None, "dcut": None})
+    dcut_mode = "off" if mode == "full" else mode
+    return base.model_copy(update={"dcut": dcut.model_copy(update={"mode": dcut_mode})})
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """Prompts from a ``.jsonl`` file (``{"prompt": ...}`` per line) or a text file (one per line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if path.suffix == ".jsonl":
+        prompts = []
+        for i, ln in enumerate(lines, 1):
+            try:
+                prompts.append(json.loads(ln)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' string ({e})") from e
+        lines = prompts
+    if not lines:
+        raise ValueError(f"no prompts in {path}")
+    return lines
+
+
+def token_ids_sha256(token_ids: list[list[int]]) -> str:
+    """One hash over all generated token ids, in prompt order: equal hashes, identical outputs."""
+    return hashlib.sha256(json.dumps(token_ids, separators=(",", ":")).encode()).hexdigest()
+
+
+def generate(settings: EngineSettings, prompts: list[str], batch_size: int, max_tokens: int,
+             temperature: float = 0.0, seed: int = 0, warmup_tokens: int = 8) -> dict[str, Any]:
+    """Generate ``max_tokens`` for ``batch_size`` prompts (cycled) at a steady batch; measure."""
+    from vllm import LLM, SamplingParams
+
+    from dcut.vllm.api import read_stats, reset_stats
+    from dcut.vllm.engine import engine_kwargs
+
+    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+    settings = settings.model_copy(update={"max_num_seqs": batch_size})
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(settings))
+    startup_s = time.perf_counter() - start
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    if warmup_tokens:
+        llm.generate(batch, SamplingParams(max_tokens=warmup_tokens, ignore_eos=True), use_tqdm=False)
+    if settings.dcut is not None and settings.method != "none":
+        reset_stats(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    produced = sum(len(t) for t in token_ids)
+    stats = read_stats(llm) if settings.dcut is not None and settings.method != "none" else None
+    window = (stats or {}).get("window", {})
+    result = {
+        "model": settings.model,
+        "draft": settings.draft,
+        "method": settings.method,
+        "mode": "none" if settings.method == "none" else ("full" if settings.dcut.mode == "off"
+                                                           else settings.dcut.mode),
+        "k": settings.num_speculative_tokens,
+        "batch_size": batch_size,
+        "max_tokens": max_tokens,
+        "generated_tokens": produced,
+        "wall_s": wall,
+        "startup_s": startup_s,
+        "tokens_per_s": produced / wall if wall > 0 else 0.0,
+        "mean_accepted_length": window.get("mean_accepted_length"),
+        "mean_keep_ratio": window.get("mean_keep_ratio"),
+        "keep_ratio_histogram": window.get("keep_ratio_histogram"),
+        "per_position_acceptance": window.get("position_acceptance"),
+        "selection_us_median": (stats or {}).get("selection_us_median"),
+        "steps": window.get("steps"),
+        "cost_source": (stats or {}).get("cost_source"),
+        "calibration": (stats or {}).get("calibration"),
+        "token_ids_sha256": token_ids_sha256(token_ids),
+    }
+    del llm
+    return result

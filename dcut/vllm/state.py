@@ -1,0 +1,236 @@
+"""D-Cut's per-engine state inside a vLLM model runner: decide after drafting, cut, measure.
+
+One ``RunnerDCut`` lives on each model runner (every tensor-parallel rank has one and takes the
+same decision, because every rank drafts the same tokens with the same confidences). The flow
+of one engine step, as driven by the patches in ``dcut.vllm.patches``:
+
+1. ``begin_step``   (``execute_model``)   — note the shape of the step and start its clock;
+2. ``on_drafted``   (``propose_draft_token_ids``) — score the fresh drafts, choose keep depths
+   on the device (no host sync), and note how many of the verified drafts were accepted;
+3. ``cut``          (``take_draft_token_ids``) — truncate each request's drafts before the
+   scheduler sees them (so a pruned draft is never scheduled, verified or counted as rejected),
+   record the step and refine the cost table from its measured time.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import dcut
+from dcut.calibration import Calibrator
+from dcut.cost_table import CostTable, Fingerprint, current_hardware, profile_cost_table
+from dcut.selection import Decision, select
+from dcut.settings import DCutSettings
+from dcut.telemetry import StepRecord, StepWindow
+
+logger = logging.getLogger("vllm.dcut")
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
+
+
+@dataclass
+class _Pending:
+    """What ``on_drafted`` decided, waiting for ``cut`` (tensors may still be on the device)."""
+
+    keep: Tensor
+    decision: Decision
+    log_conf: Tensor
+    selection_us: float
+
+
+@dataclass
+class _Verified:
+    """Outcome of the verification done in this step (for stats and calibration)."""
+
+    req_ids: list[str]
+    num_draft: Tensor  # drafts verified per request (what was scheduled)
+    accepted: Tensor  # drafts accepted per request
+
+
+def settings_from_config(vllm_config: Any) -> DCutSettings | None:
+    """The validated D-Cut settings of an engine, or None when D-Cut is not asked for."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or extra.get("dcut") is None:
+        return None
+    raw = extra["dcut"]
+    return raw if isinstance(raw, DCutSettings) else DCutSettings.model_validate(raw)
+
+
+def fingerprint_for(vllm_config: Any) -> Fingerprint:
+    """What a cost table of this engine depends on."""
+    import vllm
+
+    spec = vllm_config.speculative_config
+    return Fingerprint(
+        hardware=current_hardware(),
+        model=str(vllm_config.model_config.model),
+        drafter=str(spec.model) if spec is not None else None,
+        k=spec.num_speculative_tokens if spec is not None else 0,
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        vllm_version=vllm.__version__,
+        dcut_version=dcut.__version__,
+    )
+
+
+class RunnerDCut:
+    """D-Cut attached to one model runner."""
+
+    def __init__(self, settings: DCutSettings, fingerprint: Fingerprint, k: int) -> None:
+        self.settings = settings
+        self.fingerprint = fingerprint
+        self.k = k
+        self.cost_table: CostTable | None = None
+        self.cost_source = "none"
+        self.calibrator = Calibrator(k) if settings.calibrate else None
+        self.window = StepWindow(settings.stats_window)
+        self.steps = 0
+        self._pending: _Pending | None = None
+        self._verified: _Verified | None = None
+        self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
+        self._step_start = 0.0
+        self._last_conf: dict[str, Tensor] = {}  # req id -> log conf of the drafts it was given
+
+    # -- cost table ------------------------------------------------------------------------
+    def cache_path(self) -> Path:
+        root = Path(self.settings.cache_dir) if self.settings.cache_dir else DEFAULT_CACHE_DIR
+        return root / f"{self.fingerprint.key()}.json"
+
+    def load_or_profile(self, run_step: Any, batch_sizes: list[int]) -> None:
+        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache)."""
+        if self.settings.mode in ("off", "fixed"):
+            self.cost_source = "not needed"
+            return
+        start = time.perf_counter()
+        if self.settings.cost_table:
+            self.cost_table = CostTable.load_for(self.settings.cost_table, self.fingerprint)
+            self.cost_source = f"given ({self.settings.cost_table})"
+        elif self.cache_path().exists():
+            self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
+            self.cost_source = f"cache ({self.cache_path()})"
+        elif self.settings.profile:
+            logger.info("D-Cut: profiling the step cost for batch sizes %s (K=%d)", batch_sizes, self.k)
+            self.cost_table = profile_cost_table(
+                run_step, batch_sizes, self.k, self.fingerprint,
+                warmups=self.settings.profile_warmups, repeats=self.settings.profile_repeats)
+            self.cost_table.save(self.cache_path())
+            self.cost_source = "profiled"
+        else:
+            self.cost_source = "none (fallback ratio)"
+        logger.info("D-Cut: cost table %s in %.1f s", self.cost_source, time.perf_counter() - start)
+
+    # -- the step --------------------------------------------------------------------------
+    def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
+        """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
+        self._step_start = time.perf_counter()
+        pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
+        self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
+
+    def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
+                   num_draft_tokens: list[int] | None) -> None:
+        """Decide keep depths for fresh drafts ``[bs, K]``; note the just-verified outcome."""
+        if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled):
+            # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
+            accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0)
+            self._verified = _Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted)
+        else:
+            self._verified = None
+        if log_conf is None:
+            self._pending = None
+            return
+        start = time.perf_counter()
+        scored = self.calibrator.calibrate(log_conf) if self.calibrator is not None else log_conf
+        keep, decision = select(scored, self.settings, self.cost_table)
+        self._pending = _Pending(keep, decision, log_conf, (time.perf_counter() - start) * 1e6)
+
+    def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """Truncate each request's drafts to its keep depth; record the step."""
+        step_ms = (time.perf_counter() - self._step_start) * 1000.0
+        pending, self._pending = self._pending, None
+        verified, self._verified = self._verified, None
+        if pending is not None and len(drafts) == pending.keep.shape[0]:
+            depths = pending.keep.tolist()
+            drafts = [d[:n] for d, n in zip(drafts, depths, strict=True)]
+        self._record(pending, verified, step_ms)
+        if pending is not None and self.calibrator is not None:
+            conf = pending.log_conf.cpu()
+            self._last_conf = {r: conf[i] for i, r in enumerate(req_ids)}
+        return drafts
+
+    def _record(self, pending: _Pending | None, verified: _Verified | None, step_ms: float) -> None:
+        self.steps += 1
+        if self._step_shape is not None and self.cost_table is not None and self.settings.refine:
+            bs, tokens = self._step_shape
+            if self.cost_table.covering(bs) is not None:
+                self.cost_table.refine(bs, tokens, step_ms)
+        per_pos_kept = [0] * self.k
+        per_pos_acc = [0] * self.k
+        accepted_total = 0
+        if verified is not None:
+            nd, acc = verified.num_draft.tolist(), verified.accepted.tolist()
+            for n, a in zip(nd, acc, strict=False):
+                a = min(a, n)
+                accepted_total += a
+                for t in range(min(n, self.k)):
+                    per_pos_kept[t] += 1
+                    per_pos_acc[t] += t < a
+            if self.calibrator is not None:
+                self._update_calibration(verified)
+        decision = pending.decision.to_dict() if pending is not None else {}
+        bs = len(verified.req_ids) if verified is not None else 0
+        self.window.add(StepRecord(
+            timestamp=time.time(),
+            batch_size=bs,
+            proposed=int(decision.get("proposed") or 0),
+            kept=int(decision.get("kept") or 0),
+            accepted=accepted_total,
+            accepted_per_position=per_pos_acc,
+            kept_per_position=per_pos_kept,
+            ratio=_ratio(decision),
+            budget=int(decision.get("budget") or 0),
+            step_ms=step_ms,
+            selection_us=pending.selection_us if pending is not None else 0.0,
+            fallback=bool(decision.get("fallback", False)),
+        ))
+
+    def _update_calibration(self, verified: _Verified) -> None:
+        rows = [(i, self._last_conf[r]) for i, r in enumerate(verified.req_ids) if r in self._last_conf]
+        if not rows:
+            return
+        idx = torch.tensor([i for i, _ in rows])
+        log_conf = torch.stack([c for _, c in rows])
+        self.calibrator.update(log_conf, verified.num_draft[idx], verified.accepted[idx].cpu())
+
+    # -- reading ---------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Forget recorded steps (e.g. after a warm-up), keep the cost table and calibration."""
+        self.window = StepWindow(self.settings.stats_window)
+        self.steps = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """JSON-able stats for the Python API, the Serve replica and the CLI."""
+        out: dict[str, Any] = {
+            "settings": self.settings.model_dump(),
+            "fingerprint": self.fingerprint.model_dump(),
+            "cost_source": self.cost_source,
+            "steps": self.steps,
+            "window": self.window.summary(),
+            "selection_us_median": statistics.median(sel) if (sel := [
+                r.selection_us for r in self.window.records if r.selection_us]) else None,
+        }
+        if self.calibrator is not None:
+            out["calibration"] = self.calibrator.reliability()
+        return out
+
+
+def _ratio(decision: dict[str, Any]) -> float:
+    proposed = decision.get("proposed") or 0
+    return float(decision.get("kept") or 0) / proposed if proposed else 1.0

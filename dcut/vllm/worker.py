@@ -1,0 +1,24 @@
+"""Worker-side RPCs (vLLM ``worker_extension_cls``) to read D-Cut state from a running engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dcut.vllm.patches import runner_dcut
+
+
+class DCutWorkerExtension:
+    """Mixed into vLLM's worker class; called through ``collective_rpc("dcut_...")``."""
+
+    def dcut_stats(self) -> dict[str, Any] | None:
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        return None if state is None else state.snapshot()
+
+    def dcut_cost_table(self) -> dict[str, Any] | None:
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        return None if state is None or state.cost_table is None else state.cost_table.to_json()
+
+    def dcut_reset_stats(self) -> None:
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        if state is not None:
+            state.reset_stats()
