@@ -65,8 +65,8 @@ def build_tiny_models(root: Path, seed: int = 0) -> dict[str, Path]:
     paths["dflash"].mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, paths["dflash"] / "model.safetensors")
     cfg = head_cfg.to_dict()
-    cfg.update(architectures=["DFlashDraftModel"], model_type="qwen3",
-               target_hidden_size=head_cfg.hidden_size, block_size=16, dflash_config={"mask_token_id": fast.convert_tokens_to_ids("<|mask|>"),
-                                             "target_layer_ids": layer_ids})
+    mask_id = fast.convert_tokens_to_ids("<|mask|>")
+    cfg.update(architectures=["DFlashDraftModel"], model_type="qwen3", target_hidden_size=head_cfg.hidden_size,
+               block_size=16, dflash_config={"mask_token_id": mask_id, "target_layer_ids": layer_ids})
     (paths["dflash"] / "config.json").write_text(json.dumps(cfg, indent=1))
     return paths
