@@ -1,0 +1,42 @@
+"""Turn ``app.config.yaml``'s ``args`` (an :class:`AppConfig`) into the Serve application.
+
+    Ingress --handle--> EngineReplica x N (autoscaled by deployments.autoscaling.DCutPolicy)
+       \\                      |
+        +----> DCutController <+   (cost tables, telemetry, /dcut/status)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from app.config import AppConfig
+from deployments.controller import DCutController
+from deployments.engine_replica import EngineReplica
+from deployments.ingress import Ingress
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """The ``import_path`` target of ``serve run app.config.yaml`` (``args`` is the config's ``args``)."""
+    cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    raw = cfg.model_dump(mode="json")
+    rs = cfg.engine_replica
+
+    controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
+                                  ray_actor_options={"num_cpus": cfg.controller.num_cpus},
+                                  max_ongoing_requests=1000).bind(raw)
+    engine = serve.deployment(
+        EngineReplica, name="EngineReplica",
+        ray_actor_options={"num_cpus": rs.num_cpus, "num_gpus": rs.num_gpus,
+                           "runtime_env": {"env_vars": dict(rs.env)}},
+        max_ongoing_requests=rs.max_ongoing_requests,
+        max_queued_requests=rs.max_queued_requests,
+        autoscaling_config=rs.autoscaling.serve_config(),
+        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+    ).bind(raw, controller)
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
+                               ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+                               max_ongoing_requests=cfg.ingress.max_ongoing_requests)
+    return ingress.bind(raw, engine, controller)

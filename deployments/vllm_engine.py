@@ -1,0 +1,194 @@
+"""The only module of the deployments that knows vLLM: an ``AsyncLLM`` plus vLLM's own OpenAI serving
+objects (prompt rendering, chat templates, streaming chunks and error bodies are vLLM's).
+
+Requests in, OpenAI bodies out: ``completions`` and ``chat`` yield either one response (a dict, with
+``"error"`` for an ErrorResponse) or, for streams, the SSE strings vLLM produces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from dcut.settings import EngineSettings
+from deployments import plugin
+from deployments.records import EngineLoad
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedEngineFault(RuntimeError):
+    """Raised (tests only) for a prompt containing the configured fault marker."""
+
+
+def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict:
+    """An OpenAI-style error body, in vLLM's ErrorResponse schema."""
+    from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+    err_type = err_type or HTTPStatus(status).phrase.replace(" ", "")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param,
+                                         code=status)).model_dump()
+
+
+class _Throughput:
+    """Generated tokens per second over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._events: list[tuple[float, int]] = []
+
+    def add(self, n: int) -> None:
+        if n > 0:
+            self._events.append((time.monotonic(), n))
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        self._events = [(t, n) for t, n in self._events if now - t <= self.window_s]
+        return sum(n for _, n in self._events) / self.window_s
+
+
+class VLLMEngine:
+    def __init__(self, settings: EngineSettings, fault_marker: str | None = None,
+                 stat_loggers: list | None = None):
+        self.settings = settings
+        self.fault_marker = fault_marker
+        self._stat_loggers = stat_loggers
+        self.engine = None
+        self.load = EngineLoad()
+        self._throughput = _Throughput()
+        self._chat = self._completion = self._models = None
+
+    # ---- start -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from starlette.datastructures import State
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import FrontendArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        kwargs = plugin.engine_kwargs(self.settings)
+        engine_args = AsyncEngineArgs(**kwargs, disable_log_stats=False)
+        loggers = self._stat_loggers if self._stat_loggers is not None else [RayPrometheusStatLogger]
+        self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
+        self._wrap_generate()
+
+        frontend = {f.name: getattr(FrontendArgs(), f.name) for f in dataclasses.fields(FrontendArgs)}
+        args = argparse.Namespace(**(frontend | vars(engine_args)))
+        state = State()
+        await init_app_state(self.engine, state, args,
+                             supported_tasks=await self.engine.get_supported_tasks())
+        self._models = state.openai_serving_models
+        self._completion = state.openai_serving_completion
+        self._chat = state.openai_serving_chat
+
+    def _wrap_generate(self) -> None:
+        """Count tokens, running and aborted requests at the engine door (and inject faults in tests)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        original = self.engine.generate
+        load, throughput, marker = self.load, self._throughput, self.fault_marker
+        tokenizer_decode = None
+
+        async def generate(prompt, sampling_params, request_id, *args, **kwargs):
+            nonlocal tokenizer_decode
+            if marker is not None:
+                text = prompt.get("prompt") if isinstance(prompt, dict) else None
+                if text is None and isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                    tokenizer_decode = tokenizer_decode or self.engine.renderer.tokenizer.decode
+                    text = tokenizer_decode(prompt["prompt_token_ids"])
+                if text and marker in text:
+                    load.failed_total += 1
+                    raise InjectedEngineFault(f"injected engine fault (request {request_id})")
+            delta = sampling_params.output_kind == RequestOutputKind.DELTA
+            produced = 0
+            load.engine_requests += 1
+            try:
+                async for out in original(prompt, sampling_params, request_id, *args, **kwargs):
+                    n = sum(len(o.token_ids) for o in out.outputs)
+                    new = n if delta else max(0, n - produced)
+                    produced = produced + n if delta else max(produced, n)
+                    load.generated_tokens_total += new
+                    throughput.add(new)
+                    yield out
+            except (asyncio.CancelledError, GeneratorExit):
+                load.aborted_total += 1
+                raise
+            finally:
+                load.engine_requests -= 1
+
+        self.engine.generate = generate
+
+    # ---- requests --------------------------------------------------------------------------
+
+    async def completions(self, body: dict) -> AsyncIterator[Any]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        async for item in self._serve(CompletionRequest, body, self._completion.create_completion):
+            yield item
+
+    async def chat(self, body: dict) -> AsyncIterator[Any]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        async for item in self._serve(ChatCompletionRequest, body, self._chat.create_chat_completion):
+            yield item
+
+    async def _serve(self, request_cls, body: dict, create) -> AsyncIterator[Any]:
+        from pydantic import ValidationError
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            request = request_cls.model_validate(body)
+        except ValidationError as e:
+            yield error_body(validation_message(e), 400, "BadRequestError")
+            return
+        self.load.ongoing_requests += 1
+        try:
+            try:
+                result = await create(request, None)
+            except (ValueError, VLLMClientError) as e:
+                yield error_body(str(e), int(getattr(e, "status_code", 400)), "BadRequestError")
+                return
+            except Exception as e:  # an engine fault: answer 500, keep the replica serving
+                logger.exception("engine fault")
+                yield error_body(f"engine error: {e}", 500, "InternalServerError")
+                return
+            if isinstance(result, ErrorResponse):
+                yield result.model_dump()
+            elif hasattr(result, "model_dump"):
+                yield result.model_dump(exclude_none=True)
+            else:
+                async for chunk in result:
+                    yield chunk
+        finally:
+            self.load.ongoing_requests -= 1
+
+    async def models(self) -> dict:
+        return (await self._models.show_available_models()).model_dump()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def tokens_per_s(self) -> float:
+        return self._throughput.rate()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def validation_message(e) -> str:
+    """One line per pydantic error, vLLM style ('field: message')."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or str(e)

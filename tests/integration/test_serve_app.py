@@ -1,0 +1,275 @@
+"""The whole Serve application on a real local Ray instance with real vLLM engines (tiny model).
+
+Two applications share one Ray instance: ``dcut`` (2 engine replicas, API key, tiny queues for 503)
+and ``scale`` (1..2 replicas, fast autoscaling) for the scale-up/scale-down test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PORT = int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))
+BASE = f"http://127.0.0.1:{PORT}"
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+FAULT = "__inject_fault__"
+
+
+def _engine_env() -> dict:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if os.environ.get("DCUT_TEST_PLUGIN", "0") != "1":  # serving layer alone, plugin stand-ins
+        env.update(DCUT_PLUGIN="off", VLLM_PLUGINS="none")
+    return env
+
+
+def _args(model: str, **replica) -> dict:
+    return {
+        "engine": {"model": model, "draft": None, "method": "none", "max_num_seqs": 8,
+                   "max_model_len": 256, "served_model_name": MODEL, "dcut": {"mode": "auto"}},
+        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "env": _engine_env(),
+                           "fault_injection_marker": FAULT, "profile_wait_s": 60, **replica},
+        "ingress": {"api_key": KEY, "retry_after_s": 2, "num_cpus": 0.05},
+        "controller": {"num_cpus": 0.02},
+    }
+
+
+@pytest.fixture(scope="module")
+def apps(ray_cluster, tiny_model):
+    from ray import serve
+
+    from app.builder import build_app
+
+    main = _args(str(tiny_model), max_ongoing_requests=3, max_queued_requests=1,
+                 autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
+    scale = _args(str(tiny_model), max_ongoing_requests=8, max_queued_requests=16, default_capacity_tokens_per_s=50,
+                  autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+                               "request_tokens_per_s": 200, "upscale_delay_s": 0, "downscale_delay_s": 3,
+                               "look_back_period_s": 2})
+    t0 = time.monotonic()
+    serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
+                    serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
+    # Both engine replicas have reported to the controller.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()
+        if len(status["replicas"]) == 2:
+            break
+        time.sleep(1)
+    print(f"apps ready in {time.monotonic() - t0:.1f} s")
+    yield
+    serve.delete("scale")
+    serve.delete("dcut")
+
+
+@pytest.fixture
+def client(apps):
+    with httpx.Client(base_url=BASE, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def _status(client) -> dict:
+    return client.get("/dcut/status").json()
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+def test_health_and_models(client):
+    assert httpx.get(f"{BASE}/health").status_code == 200  # no key needed
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_httpx(client, stream):
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 8, "temperature": 0, "stream": stream}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+        assert out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 8
+        return
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks and all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_httpx(client, stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": stream}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    else:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[0])["object"] == "chat.completion.chunk"
+
+
+def test_openai_client(apps):
+    import openai
+
+    c = openai.OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0)
+    out = c.completions.create(model=MODEL, prompt="Hello", max_tokens=5, temperature=0)
+    assert out.usage.completion_tokens == 5
+    chunks = list(c.completions.create(model=MODEL, prompt="Hello", max_tokens=5, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, stream=True)
+    assert [ch.object for ch in stream][0] == "chat.completion.chunk"
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{BASE}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+def _error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"]
+    return err
+
+
+def test_auth_required(apps):
+    for path in ("/v1/models", "/dcut/status"):
+        _error(httpx.get(BASE + path), 401)
+    _error(httpx.post(f"{BASE}/v1/completions", json={"model": MODEL, "prompt": "x"},
+                      headers={"Authorization": "Bearer nope"}), 401)
+
+
+def test_bad_requests(client):
+    _error(client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+           400)
+    _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -3}), 400)
+    _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"}), 400)
+    _error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": "not a list"}), 400)
+    err = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello " * 400,
+                                                      "max_tokens": 4}), 400)
+    assert "context length" in err["message"]
+    _error(client.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}), 404)
+
+
+def test_engine_fault_is_500_and_replica_survives(client):
+    before = {r["replica_id"] for r in _status(client)["replicas"]}
+    for stream in (False, True):
+        _error(client.post("/v1/completions", json={"model": MODEL, "prompt": f"a {FAULT} b", "max_tokens": 4,
+                                                    "stream": stream}), 500)
+    for _ in range(4):  # both replicas still answer
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}
+                           ).status_code == 200
+    time.sleep(2)
+    assert {r["replica_id"] for r in _status(client)["replicas"]} == before
+
+
+def test_503_with_retry_after_when_full(apps):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "ignore_eos": True}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(14)])
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 503 in codes, codes
+    full = next(r for r in responses if r.status_code == 503)
+    assert full.headers["Retry-After"] == "2"
+    assert full.json()["error"]["code"] == 503
+
+
+def test_client_disconnect_aborts_engine_request(client):
+    aborted = sum(r["load"]["aborted_total"] for r in _status(client)["replicas"])
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        replicas = _status(client)["replicas"]
+        if sum(x["load"]["aborted_total"] for x in replicas) > aborted and \
+                all(x["load"]["engine_requests"] == 0 for x in replicas):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"engine request not aborted: {replicas}")
+
+
+# ---- D-Cut controller ------------------------------------------------------------------------
+
+def test_status_shape(client):
+    status = _status(client)
+    assert len(status["replicas"]) == 2
+    for r in status["replicas"]:
+        assert {"batch_size", "keep_ratio", "acceptance", "capacity_tokens_per_s", "demand_tokens_per_s",
+                "cost_table_source"} <= set(r)
+        assert r["capacity_tokens_per_s"] > 0
+    assert {"capacity_tokens_per_s", "demand_tokens_per_s", "suggested_replicas"} <= set(status["cluster"])
+
+
+def test_second_replica_uses_controller_table(client):
+    from deployments import plugin
+
+    sources = sorted(r["cost_table_source"] for r in _status(client)["replicas"])
+    if os.environ.get("DCUT_TEST_PLUGIN", "0") != "1" or not plugin.HAVE_PLUGIN:
+        assert sources == ["none", "none"]  # stand-ins: no table anywhere, nobody waits forever
+        pytest.skip("needs the D-Cut plugin (DCUT_TEST_PLUGIN=1) to profile a table")
+    assert sources == ["controller", "profiled"]
+    assert len(_status(client)["cost_tables"]) == 1
+
+
+# ---- autoscaling -----------------------------------------------------------------------------
+
+def _scale_replicas() -> int:
+    from ray import serve
+
+    return serve.status().applications["scale"].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
+
+
+def test_scales_up_under_load_and_back_down(apps):
+    assert _scale_replicas() == 1
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
+
+    async def load(stop: asyncio.Event):
+        async with httpx.AsyncClient(base_url=f"{BASE}/scale", headers=AUTH, timeout=120) as c:
+            async def worker():
+                while not stop.is_set():
+                    await c.post("/v1/completions", json=body)
+            await asyncio.gather(*[worker() for _ in range(3)])
+
+    async def scenario():
+        stop = asyncio.Event()
+        task = asyncio.create_task(load(stop))
+        t0 = time.monotonic()
+        try:
+            while _scale_replicas() < 2:
+                assert time.monotonic() - t0 < 120, "no scale-up within 120 s"
+                await asyncio.sleep(1)
+        finally:
+            stop.set()
+            await task
+        return time.monotonic() - t0
+
+    up_s = asyncio.run(scenario())
+    t0 = time.monotonic()
+    while _scale_replicas() > 1:
+        assert time.monotonic() - t0 < 90, "no scale-down within 90 s"
+        time.sleep(1)
+    print(f"scaled up in {up_s:.1f} s, down in {time.monotonic() - t0:.1f} s")
