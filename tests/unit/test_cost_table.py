@@ -1,0 +1,128 @@
+"""Cost tables: lookup, vectorised costs, smoothing, refinement bounds, merge, JSON, fingerprints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcut.cost_table import (
+    CostTable,
+    Fingerprint,
+    FingerprintMismatch,
+    current_hardware,
+    profile_cost_table,
+    profile_token_points,
+)
+
+FP = Fingerprint(hardware="cpu x2", model="dense", drafter="dflash", k=15)
+
+
+def table() -> CostTable:
+    return CostTable(FP, {4: [(4, 10.0, 3), (16, 16.0, 3), (64, 40.0, 3)], 16: [(16, 20.0, 3), (256, 140.0, 3)]})
+
+
+def test_lookup_uses_next_profiled_batch_size_and_interpolates() -> None:
+    t = table()
+    assert t.lookup(1, 4) == 10.0  # bs 1 -> profiled bs 4
+    assert t.lookup(4, 10) == pytest.approx(13.0)  # halfway 4..16
+    assert t.lookup(4, 1) == 10.0 and t.lookup(4, 1000) == 40.0  # flat outside
+    assert t.lookup(5, 136) == pytest.approx(80.0)  # bs 5 -> 16
+    assert t.lookup(17, 20) is None  # beyond the table
+
+
+def test_costs_vectorised_matches_lookup() -> None:
+    t = table()
+    tokens = torch.tensor([0, 4, 10, 16, 40, 64, 500])
+    costs = t.costs(3, tokens)
+    assert costs is not None and costs.dtype == torch.float32
+    assert costs.tolist() == pytest.approx([t.lookup(3, int(x)) for x in tokens])
+    assert t.costs(100, tokens) is None
+
+
+def test_smoothed_is_monotone_in_tokens() -> None:
+    t = CostTable(FP, {8: [(8, 12.0, 1), (16, 11.0, 1), (32, 20.0, 1), (64, 18.0, 1)]}).smoothed()
+    assert [p[1] for p in t.points[8]] == [12.0, 12.0, 20.0, 20.0]
+
+
+def test_refine_is_bounded_and_keeps_monotone() -> None:
+    t = table()
+    before = t.lookup(4, 16)
+    t.costs(4, torch.tensor([16]))  # fill the cache, refine must invalidate it
+    t.refine(4, 17, 10_000.0, weight=1.0)  # absurd sample: clipped to 2x
+    assert t.lookup(4, 16) == pytest.approx(2 * before)
+    assert t.costs(4, torch.tensor([16])).tolist() == pytest.approx([2 * before])
+    ms = [p[1] for p in t.points[4]]
+    assert ms == sorted(ms)
+    t.refine(4, 16, 0.0, weight=1.0)  # clipped to 0.5x
+    assert t.lookup(4, 16) == pytest.approx(before)
+    assert [p[1] for p in t.points[4]] == sorted(p[1] for p in t.points[4])
+    t.refine(4, 64, 41.0)  # a small EMA step
+    assert t.lookup(4, 64) == pytest.approx(0.95 * 40.0 + 0.05 * 41.0)
+    t.refine(1000, 64, 41.0)  # nothing covers: ignored
+
+
+def test_merge_weights_by_samples_and_unions_points() -> None:
+    a = CostTable(FP, {4: [(4, 10.0, 1), (16, 20.0, 1)]})
+    b = CostTable(FP, {4: [(4, 14.0, 3), (64, 50.0, 2)], 8: [(8, 12.0, 1)]})
+    m = CostTable.merge([a, b])
+    assert m.points[4] == [(4, pytest.approx(13.0), 4), (16, 20.0, 1), (64, 50.0, 2)]
+    assert m.points[8] == [(8, 12.0, 1)]
+    other = CostTable(FP.model_copy(update={"hardware": "gpu"}), {4: [(4, 1.0, 1)]})
+    with pytest.raises(ValueError, match="hardware"):
+        CostTable.merge([a, other])
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    t = table()
+    data = json.loads(json.dumps(t.to_json()))
+    assert set(data) == {"fingerprint", "points"} and data["points"]["4"][0] == [4, 10.0, 3]
+    back = CostTable.from_json(data)
+    assert back.points == t.points and back.fingerprint == t.fingerprint
+    path = tmp_path / "tables" / f"{FP.key()}.json"
+    t.save(path)
+    assert CostTable.load(path).points == t.points
+    assert CostTable.load_for(path, FP).fingerprint == FP
+
+
+def test_load_for_refuses_other_fingerprint(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table().save(path)
+    other = FP.model_copy(update={"model": "moe", "k": 7})
+    with pytest.raises(FingerprintMismatch, match="model: wanted 'moe'.*k: wanted 7"):
+        CostTable.load_for(path, other)
+
+
+def test_fingerprint_key_is_stable_and_distinct() -> None:
+    assert FP.key() == Fingerprint(**FP.model_dump()).key()
+    assert FP.key() != FP.model_copy(update={"dtype": "bfloat16"}).key()
+    assert len(FP.key()) == 16
+    assert current_hardware()
+
+
+def test_profile_token_points() -> None:
+    assert profile_token_points(4, 15) == [4, 16, 32, 48, 64]
+    assert profile_token_points(1, 1) == [1, 2]  # ratios 0, 0.25 and 0.5 collapse onto 1 token
+
+
+def test_profile_cost_table_with_fake_step() -> None:
+    calls: list[tuple[int, int]] = []
+    clock = [0.0]
+
+    def run_step(bs: int, tokens: int) -> None:
+        calls.append((bs, tokens))
+        noise = 0.05 if len(calls) % 3 == 0 else 0.0  # one noisy repeat per shape: the median ignores it
+        clock[0] += (1.0 + 0.01 * tokens + noise) / 1000.0  # seconds
+
+    t = profile_cost_table(run_step, [1, 4], k=15, fingerprint=FP, warmups=2, repeats=3,
+                           timer=lambda: clock[0], progress=False)
+    shapes = [(bs, x) for bs in (1, 4) for x in profile_token_points(bs, 15)]
+    assert len(calls) == len(shapes) * 5
+    assert sorted(set(calls)) == sorted(shapes)
+    assert t.fingerprint == FP
+    for bs in (1, 4):
+        for tokens, ms, n in t.points[bs]:
+            assert ms == pytest.approx(1.0 + 0.01 * tokens) and n == 3
+    assert t.lookup(4, 64) == pytest.approx(1.64)

@@ -1,0 +1,89 @@
+"""Step records, window summaries and throughput estimates on hand-checkable numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dcut.cost_table import CostTable, Fingerprint
+from dcut.settings import DCutSettings
+from dcut.telemetry import (
+    StepRecord,
+    StepWindow,
+    ThroughputEstimate,
+    capacity,
+    demand,
+    expected_tokens_per_step,
+    step_time,
+    throughput_by_batch_size,
+)
+
+
+def record(bs: int, proposed: int, kept: int, accepted: list[int], kept_pos: list[int],
+           step_ms: float | None = None) -> StepRecord:
+    return StepRecord(batch_size=bs, proposed=proposed, kept=kept, accepted=sum(accepted),
+                      accepted_per_position=accepted, kept_per_position=kept_pos, step_ms=step_ms,
+                      timestamp=0.0)
+
+
+def test_record_round_trip() -> None:
+    r = record(2, 6, 4, [2, 1], [2, 2], 10.0)
+    assert StepRecord.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_window_summaries() -> None:
+    w = StepWindow(maxlen=2)
+    w.add(record(9, 9, 9, [9], [9]))  # pushed out by maxlen
+    w.add(record(2, 6, 3, [2, 1, 0], [2, 1, 0], 10.0))
+    w.add(record(4, 12, 12, [4, 2, 1], [4, 4, 4], 20.0))
+    assert len(w) == 2
+    assert w.mean_keep_ratio() == pytest.approx(0.75)  # (0.5 + 1.0) / 2
+    assert w.mean_accepted_length() == pytest.approx(10 / 6)
+    assert w.keep_ratio_histogram() == [0, 0, 0, 0, 0, 1, 0, 0, 0, 1]
+    assert w.position_acceptance() == [1.0, 0.6, 0.25]
+    assert w.acceptance_curve() == [1.0, 0.6, 0.25]
+    assert w.batch_size_histogram() == {2: 1, 4: 1}
+    assert w.mean_step_ms() == {2: 10.0, 4: 20.0}
+    summary = json.loads(json.dumps(w.summary()))
+    assert summary["steps"] == 2 and summary["batch_size_histogram"] == {"2": 1, "4": 1}
+
+
+def test_acceptance_curve_is_non_increasing_and_zero_where_unseen() -> None:
+    w = StepWindow()
+    w.add(record(4, 12, 8, [2, 2, 0], [4, 2, 0]))
+    assert w.position_acceptance() == [0.5, 1.0, None]
+    assert w.acceptance_curve() == [0.5, 0.5, 0.0]
+    assert StepWindow().summary()["mean_keep_ratio"] is None
+
+
+def flat_table() -> CostTable:
+    fp = Fingerprint(hardware="t", model="m", k=2)
+    return CostTable(fp, {1: [(1, 10.0, 1), (3, 10.0, 1)], 4: [(4, 20.0, 1), (12, 40.0, 1)]})
+
+
+def test_expected_tokens_and_step_time() -> None:
+    off = DCutSettings(mode="off")
+    tokens, kept = expected_tokens_per_step(4, [0.5, 0.25], off, flat_table())
+    assert (tokens, kept) == (pytest.approx(4 + 4 * 0.75), 8)
+    assert step_time(4, kept, flat_table(), draft_ms=2.0) == pytest.approx(40.0 + 2.0)
+    assert step_time(8, 0, flat_table()) is None
+    # the bonus flag changes the decision's numerator, never E(b)'s count of bonus tokens
+    bonus = DCutSettings(mode="off", count_bonus=True)
+    assert expected_tokens_per_step(4, [0.5, 0.25], bonus, flat_table())[0] == pytest.approx(7.0)
+    fixed = DCutSettings(mode="fixed", fixed_ratio=0.5)  # ceil(0.5 * 4 * 3) - 4 = 2 drafts, both 0.5
+    assert expected_tokens_per_step(4, [0.5, 0.25], fixed, None) == (pytest.approx(5.0), 2)
+
+
+def test_throughput_capacity_demand() -> None:
+    off = DCutSettings(mode="off")
+    est = throughput_by_batch_size([1, 4, 8], [0.5, 0.25], off, flat_table())
+    assert [e.batch_size for e in est] == [1, 4]  # 8 is beyond the table
+    one, four = est
+    assert one.tokens_per_s == pytest.approx(1.75 / 10.0 * 1000)  # 175
+    assert four.tokens_per_s == pytest.approx(7.0 / 40.0 * 1000)  # 175
+    assert four.request_tokens_per_s == pytest.approx(43.75)
+    assert capacity(est, min_request_rate=50.0) == pytest.approx(175.0)
+    assert capacity(est, min_request_rate=500.0) == 0.0
+    assert capacity([ThroughputEstimate(2, 3.0, 10.0, 300.0, 150.0), *est], 100.0) == 300.0
+    assert demand(running=3, waiting=2, per_request_rate=20.0) == 100.0
