@@ -168,6 +168,15 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
             depths = max_depth.to(device=device, dtype=torch.int64).clamp(0, k)
         return depths, Decision("off", 1.0, proposed, proposed, proposed, scores.sum() + bonus)
 
+    if settings.mode == "per_request":  # the baseline D-Cut's global top-k is measured against
+        depths = torch.full((bs,), min(settings.per_request_depth, k), dtype=torch.int64, device=device)
+        if max_depth is not None:
+            depths = torch.minimum(depths, max_depth.to(device=device, dtype=torch.int64).clamp(0, k))
+        kept_mask = torch.arange(k, device=device).unsqueeze(0) < depths.unsqueeze(1)
+        kept = depths.sum()
+        return depths, Decision("per_request", depths.float().mean() / k, kept, kept, proposed,
+                                (scores * kept_mask).sum() + bonus)
+
     # Zero-score drafts (past max_depth, -inf/NaN confidence) sort last and are never kept.
     available = torch.count_nonzero(scores)
     sorted_scores, order = torch.sort(scores.reshape(-1), descending=True, stable=True)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Mode = Literal["off", "fixed", "auto", "continuous"]
+Mode = Literal["off", "fixed", "auto", "continuous", "per_request"]
 
 
 class DCutSettings(BaseModel):
@@ -18,8 +18,10 @@ class DCutSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Mode = Field("auto", description="off: keep all; fixed: a global keep ratio; auto: the four "
-                       "reference buckets; continuous: any budget on the measured cost staircase.")
+                       "reference buckets; continuous: any budget on the measured cost staircase; "
+                       "per_request: the same number of drafts for every request (a baseline).")
     fixed_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Keep ratio used by mode=fixed.")
+    per_request_depth: int = Field(4, ge=0, description="Drafts kept per request by mode=per_request.")
     count_bonus: bool = Field(False, description="Count the bs bonus/anchor tokens in U's numerator.")
     fallback_ratio: float = Field(0.75, gt=0.0, le=1.0,
                                   description="Keep ratio when no cost covers this batch size.")

@@ -17,6 +17,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--fixed-ratio", type=float, default=0.5, help="keep ratio of --mode fixed")
+    parser.add_argument("--per-request-depth", type=int, default=4, help="drafts per request of --mode per_request")
     parser.add_argument("--count-bonus", action="store_true", help="count bonus tokens in U's numerator")
     parser.add_argument("--calibrate", action="store_true", help="calibrate confidences online")
     parser.add_argument("--cost-table", help="cost table JSON to use instead of profiling")
@@ -25,7 +26,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """Validated settings from the flags (pydantic errors name the setting)."""
-    dcut = DCutSettings(fixed_ratio=args.fixed_ratio, count_bonus=args.count_bonus, calibrate=args.calibrate,
+    dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
+                        count_bonus=args.count_bonus, calibrate=args.calibrate,
                         cost_table=args.cost_table, cache_dir=args.cache_dir)
     return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                           tensor_parallel_size=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,

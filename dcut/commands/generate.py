@@ -19,14 +19,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--mode", choices=GENERATE_MODES, default="auto")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help=".jsonl ({'prompt': ...}) or .txt")
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", default="8",
+                        help="requests decoded together; a comma list runs each on one engine")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.batch_size < 1 or args.max_tokens < 1:
+    try:
+        batch_sizes = [int(b) for b in str(args.batch_size).split(",") if b.strip()]
+    except ValueError as e:
+        raise CommandError(f"--batch-size: {e}") from e
+    if not batch_sizes or min(batch_sizes) < 1 or args.max_tokens < 1:
         raise CommandError("--batch-size and --max-tokens must be >= 1")
     for path in (args.model, args.draft if args.mode != "none" else args.model):
         if not Path(path).is_dir():
@@ -36,11 +41,12 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_for_mode(args.mode, engine_settings(args))
     except (ValueError, FileNotFoundError, ValidationError) as e:
         raise CommandError(str(e)) from e
-    result = generate(settings, prompts, args.batch_size, args.max_tokens, temperature=args.temperature)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            if key not in ("keep_ratio_histogram", "calibration"):
-                print(f"{key:>24}: {value}")
+    for result in generate(settings, prompts, batch_sizes, args.max_tokens, temperature=args.temperature):
+        if args.json:  # one object per batch size (one line each)
+            print(json.dumps(result), flush=True)
+        else:
+            for key, value in result.items():
+                if key not in ("keep_ratio_histogram", "calibration", "mean_step_ms"):
+                    print(f"{key:>24}: {value}")
+            print()
     return 0

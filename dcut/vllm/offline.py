@@ -10,7 +10,7 @@ from typing import Any
 
 from dcut.settings import DCutSettings, EngineSettings
 
-GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous")
+GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request")
 DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
 
 
@@ -50,53 +50,59 @@ def token_ids_sha256(token_ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(token_ids, separators=(",", ":")).encode()).hexdigest()
 
 
-def generate(settings: EngineSettings, prompts: list[str], batch_size: int, max_tokens: int,
-             temperature: float = 0.0, seed: int = 0, warmup_tokens: int = 8) -> dict[str, Any]:
-    """Generate ``max_tokens`` for ``batch_size`` prompts (cycled) at a steady batch; measure."""
+def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int], max_tokens: int,
+             temperature: float = 0.0, seed: int = 0, warmup_tokens: int = 8) -> list[dict[str, Any]]:
+    """For each batch size: ``max_tokens`` for that many prompts (cycled) at a steady batch; measured.
+
+    One engine serves every batch size (max_num_seqs = the largest), so they share one cost table.
+    """
     from vllm import LLM, SamplingParams
 
     from dcut.vllm.api import read_stats, reset_stats
     from dcut.vllm.engine import engine_kwargs
 
-    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-    settings = settings.model_copy(update={"max_num_seqs": batch_size})
+    settings = settings.model_copy(update={"max_num_seqs": max(batch_sizes)})
+    with_dcut = settings.dcut is not None and settings.method != "none"
     start = time.perf_counter()
     llm = LLM(**engine_kwargs(settings))
     startup_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
-    if warmup_tokens:
-        llm.generate(batch, SamplingParams(max_tokens=warmup_tokens, ignore_eos=True), use_tqdm=False)
-    if settings.dcut is not None and settings.method != "none":
-        reset_stats(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(batch, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    produced = sum(len(t) for t in token_ids)
-    stats = read_stats(llm) if settings.dcut is not None and settings.method != "none" else None
-    window = (stats or {}).get("window", {})
-    result = {
-        "model": settings.model,
-        "draft": settings.draft,
-        "method": settings.method,
-        "mode": "none" if settings.method == "none" else ("full" if settings.dcut.mode == "off"
-                                                           else settings.dcut.mode),
-        "k": settings.num_speculative_tokens,
-        "batch_size": batch_size,
-        "max_tokens": max_tokens,
-        "generated_tokens": produced,
-        "wall_s": wall,
-        "startup_s": startup_s,
-        "tokens_per_s": produced / wall if wall > 0 else 0.0,
-        "mean_accepted_length": window.get("mean_accepted_length"),
-        "mean_keep_ratio": window.get("mean_keep_ratio"),
-        "keep_ratio_histogram": window.get("keep_ratio_histogram"),
-        "per_position_acceptance": window.get("position_acceptance"),
-        "selection_us_median": (stats or {}).get("selection_us_median"),
-        "steps": window.get("steps"),
-        "cost_source": (stats or {}).get("cost_source"),
-        "calibration": (stats or {}).get("calibration"),
-        "token_ids_sha256": token_ids_sha256(token_ids),
-    }
+    results = []
+    for bs in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        if warmup_tokens:
+            llm.generate(batch, SamplingParams(max_tokens=warmup_tokens, ignore_eos=True), use_tqdm=False)
+        if with_dcut:
+            reset_stats(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+        produced = sum(len(t) for t in token_ids)
+        stats = read_stats(llm) if with_dcut else None
+        window = (stats or {}).get("window", {})
+        results.append({
+            "model": settings.model,
+            "draft": settings.draft,
+            "method": settings.method,
+            "mode": "none" if not with_dcut else ("full" if settings.dcut.mode == "off" else settings.dcut.mode),
+            "k": settings.num_speculative_tokens if settings.method != "none" else 0,
+            "batch_size": bs,
+            "max_tokens": max_tokens,
+            "generated_tokens": produced,
+            "wall_s": wall,
+            "startup_s": startup_s,
+            "tokens_per_s": produced / wall if wall > 0 else 0.0,
+            "mean_accepted_length": window.get("mean_accepted_length"),
+            "mean_keep_ratio": window.get("mean_keep_ratio"),
+            "keep_ratio_histogram": window.get("keep_ratio_histogram"),
+            "per_position_acceptance": window.get("position_acceptance"),
+            "mean_step_ms": window.get("mean_step_ms"),
+            "selection_us_median": (stats or {}).get("selection_us_median"),
+            "steps": window.get("steps"),
+            "cost_source": (stats or {}).get("cost_source"),
+            "calibration": (stats or {}).get("calibration"),
+            "token_ids_sha256": token_ids_sha256(token_ids),
+        })
     del llm
-    return result
+    return results

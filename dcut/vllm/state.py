@@ -30,9 +30,11 @@ from dcut.cost_table import CostTable, Fingerprint, current_hardware, profile_co
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.telemetry import StepRecord, StepWindow
+from dcut.vllm import metrics
 
 logger = logging.getLogger("vllm.dcut")
 
+LOG_INTERVAL_S = 10.0
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
 
 
@@ -98,6 +100,7 @@ class RunnerDCut:
         self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
         self._step_start = 0.0
         self._last_conf: dict[str, Tensor] = {}  # req id -> log conf of the drafts it was given
+        self._last_log = time.monotonic()
 
     # -- cost table ------------------------------------------------------------------------
     def cache_path(self) -> Path:
@@ -186,7 +189,7 @@ class RunnerDCut:
                 self._update_calibration(verified)
         decision = pending.decision.to_dict() if pending is not None else {}
         bs = len(verified.req_ids) if verified is not None else 0
-        self.window.add(StepRecord(
+        record = StepRecord(
             timestamp=time.time(),
             batch_size=bs,
             proposed=int(decision.get("proposed") or 0),
@@ -199,7 +202,12 @@ class RunnerDCut:
             step_ms=step_ms,
             selection_us=pending.selection_us if pending is not None else 0.0,
             fallback=bool(decision.get("fallback", False)),
-        ))
+        )
+        self.window.add(record)
+        metrics.observe(record, self.fingerprint.model)
+        if time.monotonic() - self._last_log >= LOG_INTERVAL_S:
+            self._last_log = time.monotonic()
+            self._log_summary()
 
     def _update_calibration(self, verified: _Verified) -> None:
         rows = [(i, self._last_conf[r]) for i, r in enumerate(verified.req_ids) if r in self._last_conf]
@@ -208,6 +216,14 @@ class RunnerDCut:
         idx = torch.tensor([i for i, _ in rows])
         log_conf = torch.stack([c for _, c in rows])
         self.calibrator.update(log_conf, verified.num_draft[idx], verified.accepted[idx].cpu())
+
+    def _log_summary(self) -> None:
+        """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
+        w = self.window
+        logger.info("D-Cut: %d steps, mean keep ratio %s, accepted drafts/request-step %s, "
+                    "position acceptance %s, cost table %s", len(w), _fmt(w.mean_keep_ratio()),
+                    _fmt(w.mean_accepted_length()), [_fmt(p) for p in w.position_acceptance()[:8]],
+                    self.cost_source)
 
     # -- reading ---------------------------------------------------------------------------
     def reset_stats(self) -> None:
@@ -229,6 +245,10 @@ class RunnerDCut:
         if self.calibrator is not None:
             out["calibration"] = self.calibrator.reliability()
         return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ratio(decision: dict[str, Any]) -> float:

@@ -1,0 +1,185 @@
+"""`dcut train`: build the embedded default models offline (tokenizer, Dense/MoE targets, DFlash drafters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HELP = "Train the embedded models (tokenizer, dense/MoE targets, DFlash drafters) on the stdlib source."
+
+PAIRS = {"dense": ("dense", "dense-dflash"), "moe": ("moe", "moe-dflash")}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="models", help="folder for the shipped models (default: models)")
+    p.add_argument("--runs", default="runs", help="folder for data caches and checkpoints (default: runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+
+
+def _target_args(p, prefix: str, minutes: float, lr: float) -> None:
+    p.add_argument(f"--{prefix}minutes", type=float, default=minutes, help=f"time budget (default {minutes})")
+    p.add_argument(f"--{prefix}steps", type=int, default=100_000, help="step cap")
+    p.add_argument(f"--{prefix}lr", type=float, default=lr)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    p = sub.add_parser("tokenizer", help="tokenize the stdlib split, train the BPE, write held-out prompts")
+    _common(p)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    for kind in ("dense", "moe"):
+        p = sub.add_parser(kind, help=f"train the {kind} target")
+        _common(p)
+        _target_args(p, "", 20.0 if kind == "dense" else 10.0, 2e-3)
+        p = sub.add_parser(f"{kind}-drafter", help=f"train the DFlash drafter of the {kind} target")
+        _common(p)
+        _target_args(p, "", 14.0 if kind == "dense" else 7.0, 1e-3)
+    p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
+                       "measure acceptance, write the model cards")
+    _common(p)
+    p.add_argument("pair", choices=sorted(PAIRS))
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p = sub.add_parser("all", help="every stage in order, skipping finished ones, resuming checkpoints")
+    _common(p)
+    _target_args(p, "dense-", 20.0, 2e-3)
+    _target_args(p, "dense-drafter-", 14.0, 1e-3)
+    _target_args(p, "moe-", 10.0, 2e-3)
+    _target_args(p, "moe-drafter-", 7.0, 1e-3)
+    p.add_argument("--skip-moe", action="store_true")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+
+
+def _budget(minutes: float, steps: int, lr: float, *, drafter: bool):
+    from dcut.train.loop import Budget
+
+    if drafter:
+        return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=30)
+    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=50)
+
+
+def _target_spec(kind: str):
+    from dcut.train.models import TargetSpec
+
+    return TargetSpec(kind=kind)
+
+
+def _drafter_spec():
+    from dcut.train.models import DrafterSpec
+
+    return DrafterSpec(num_hidden_layers=2, intermediate_size=768, block_size=16, target_layer_ids=[0, 1, 2, 3])
+
+
+def _command_line() -> str:
+    return "dcut train " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train") + 1:]) \
+        if "train" in sys.argv else "dcut train all --out models --seed 0"
+
+
+def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: int) -> dict:
+    """vLLM check in a subprocess (vLLM needs a __main__ guard), plus the PyTorch replay."""
+    from dcut.cli import CommandError
+    from dcut.train import loop as L
+    from dcut.train import models as M
+    from dcut.train import pipeline as P
+    from dcut.train import tokenizer as TK
+    from dcut.train import verify as V
+
+    tname, dname = PAIRS[kind]
+    if not ((out / tname / ".done").exists() and (out / dname / ".done").exists()):
+        raise CommandError(f"{out / tname} and {out / dname} must be trained first")
+    js = runs / f"verify-{tname}.json"
+    prompts_file = out / "heldout_prompts.jsonl"
+    cmd = [sys.executable, "-m", "dcut.train.verify", "--target", str(out / tname), "--drafter", str(out / dname),
+           "--prompts", str(prompts_file), "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
+           "--json", str(js)]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    L.log(f"verify {kind}: " + " ".join(cmd))
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    (runs / f"verify-{tname}.log").write_text(proc.stdout + proc.stderr)
+    if not js.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise CommandError(f"vLLM verification of {kind} failed (rc {proc.returncode}); "
+                           f"log: {runs / f'verify-{tname}.log'}\n{tail}")
+    res = json.loads(js.read_text())
+    res["command"] = (f"VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 python -m dcut.train.verify "
+                      f"--target {out / tname} --drafter {out / dname} --prompts {prompts_file} "
+                      f"--num-prompts {num_prompts} --max-tokens {max_tokens}")
+    res["seconds"] = round(time.time() - t0, 1)
+    prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()][:num_prompts]
+    target = P.load_target(out / tname)
+    drafter = M.load_drafter(out / dname, M.spec_from_hf_config(target.config))
+    res["offline"] = V.offline_acceptance(target, drafter, TK.load_tokenizer(out / tname), prompts, max_tokens)
+    js.write_text(json.dumps(res, indent=2) + "\n")
+    L.log(f"verify {kind}: identical={res['all_identical']} mean accepted/step={res['mean_accepted_per_step']} "
+          f"per pos={res['acceptance_per_pos']} offline={res['offline']['mean_accepted_per_step']}")
+    return res
+
+
+def run(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from dcut.cli import CommandError
+    from dcut.train import cards as C
+    from dcut.train import loop as L
+    from dcut.train import pipeline as P
+
+    torch.set_num_threads(args.threads)
+    out, runs = Path(args.out), Path(args.runs)
+    out.mkdir(parents=True, exist_ok=True)
+    runs.mkdir(parents=True, exist_ok=True)
+    command = _command_line()
+    stage = args.stage
+    t0 = time.time()
+
+    def need_tokens():
+        if not (runs / "data" / "meta.json").exists():
+            raise CommandError(f"no tokenized data under {runs}: run `dcut train tokenizer` first")
+
+    if stage == "tokenizer":
+        P.stage_tokenizer(out, runs, vocab_size=args.vocab_size)
+    elif stage in ("dense", "moe"):
+        need_tokens()
+        P.stage_target(stage, _target_spec(stage), out, runs, _budget(args.minutes, args.steps, args.lr,
+                                                                         drafter=False), args.seed)
+    elif stage in ("dense-drafter", "moe-drafter"):
+        need_tokens()
+        kind = stage.split("-")[0]
+        tname, dname = PAIRS[kind]
+        if not (out / tname / ".done").exists():
+            raise CommandError(f"train the {kind} target first (`dcut train {kind}`)")
+        P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
+                        _budget(args.minutes, args.steps, args.lr, drafter=True), args.seed)
+    elif stage == "verify":
+        verify_pair(out, runs, args.pair, args.num_prompts, args.max_tokens)
+        C.write_cards(out, runs, PAIRS[args.pair], command)
+    elif stage == "all":
+        P.stage_tokenizer(out, runs)
+        kinds = ["dense"] if args.skip_moe else ["dense", "moe"]
+        for kind in kinds:
+            a = vars(args)
+            P.stage_target(kind, _target_spec(kind), out, runs,
+                           _budget(a[f"{kind}_minutes"], a[f"{kind}_steps"], a[f"{kind}_lr"], drafter=False),
+                           args.seed)
+            tname, dname = PAIRS[kind]
+            P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
+                            _budget(a[f"{kind}_drafter_minutes"], a[f"{kind}_drafter_steps"],
+                                    a[f"{kind}_drafter_lr"], drafter=True), args.seed)
+            if not args.no_verify and not (runs / f"verify-{tname}.json").exists():
+                try:
+                    verify_pair(out, runs, kind, args.num_prompts, args.max_tokens)
+                except CommandError as e:
+                    L.log(f"verify {kind} FAILED: {e}")
+            C.write_cards(out, runs, PAIRS[kind], command)
+        L.log(f"all: done in {(time.time() - t0) / 60:.1f} min")
+    return 0

@@ -1,0 +1,51 @@
+"""PNG plots of cost tables and sweeps (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_cost_table(table_json: dict[str, Any], out: Path, title: str = "") -> Path:
+    """Step cost (ms) against verify tokens, one line per profiled batch size."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for bs, points in sorted(table_json["points"].items(), key=lambda kv: int(kv[0])):
+        tokens = [p[0] for p in points]
+        ms = [p[1] for p in points]
+        ax.plot(tokens, ms, marker="o", label=f"bs={bs}")
+    ax.set_xlabel("verify tokens per step (bs + kept drafts)")
+    ax.set_ylabel("step cost (ms)")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "D-Cut cost table")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """Throughput relative to plain decoding against batch size, one line per mode."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for mode in modes:
+        pts = sorted((r["bs"], r["speedup_vs_none"]) for r in rows if r["mode"] == mode and r.get("speedup_vs_none"))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("throughput / plain decoding")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "Speedup vs plain decoding")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

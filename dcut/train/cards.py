@@ -1,0 +1,145 @@
+"""Model cards (README.md) for the embedded models, from the stage records and vLLM checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dcut.train.data import LICENCE
+
+CALIBRATION_PLACEHOLDER = (
+    "<!-- dcut:calibration -->\n"
+    "**Calibration / reliability:** _placeholder — to be filled in by the plugin's `dcut generate`._\n"
+)
+
+
+def _size_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 1e6
+
+
+def _loss_line(info: dict) -> str:
+    hist = info.get("history") or []
+    first = hist[0]["loss"] if hist else float("nan")
+    last = hist[-1]["loss"] if hist else float("nan")
+    return f"training loss {first:.3f} (step {hist[0]['step'] if hist else 0}) → {last:.3f} (step {info['steps']})"
+
+
+def _data_section(meta: dict) -> str:
+    return (
+        "## Data and licence\n\n"
+        f"Python {meta.get('python', '3.11')} standard-library source (`{meta['stdlib']}`; excluding tests, "
+        "site-packages, encodings, lib2to3, pydoc_data, turtledemo, ensurepip), "
+        f"{meta['files']} files split by a hash of their path: {meta['train_files']} training files "
+        f"({meta['train_tokens']:,} tokens), {meta['heldout_files']} held-out files ({meta['heldout_tokens']:,} "
+        "tokens) that no model saw; `models/heldout_prompts.jsonl` holds prompts cut from held-out functions.\n\n"
+        f"Licence of the training data: {LICENCE}. The weights are derived from that text.\n\n"
+        f"Tokenizer: byte-level BPE (`tokenizers`), vocabulary {meta['vocab_size']}, trained on the training split; "
+        "special tokens `<|endoftext|>` (0, bos/eos), `<|im_start|>` (1), `<|im_end|>` (2), `<|mask|>` (3, DFlash "
+        "mask token), `<|pad|>` (4); a ChatML-style chat template is in `tokenizer_config.json`.\n"
+    )
+
+
+def _acceptance_section(ver: dict | None) -> str:
+    if not ver:
+        return "## Speculative decoding in vLLM\n\n_Not measured yet._\n"
+    per = ver.get("acceptance_per_pos", [])
+    rows = " | ".join(str(i + 1) for i in range(len(per)))
+    vals = " | ".join(f"{v:.3f}" for v in per)
+    off = ver.get("offline") or {}
+    lines = [
+        "## Speculative decoding in vLLM (measured)\n",
+        f"Command: `{ver.get('command', '')}`\n",
+        f"vLLM 0.32 (CPU), dtype float32, greedy, {ver['num_prompts']} held-out prompts × {ver['max_tokens']} "
+        f"tokens, DFlash with 15 speculative tokens (block 16). Greedy output with DFlash identical to "
+        f"without: **{ver.get('all_identical')}**.\n",
+        f"Mean accepted drafts per step: **{ver['mean_accepted_per_step']:.3f}** "
+        f"({ver['num_accepted_tokens']} accepted of {ver['num_draft_tokens']} drafted over {ver['num_drafts']} "
+        "steps).\n",
+        "Acceptance rate per draft position (fraction of steps whose draft k was accepted):\n",
+        f"| k | {rows} |\n|" + "---|" * (len(per) + 1) + f"\n| rate | {vals} |\n",
+    ]
+    if off:
+        lines.append(
+            f"PyTorch replay of the same loop (`dcut.train.verify.offline_acceptance`): mean accepted "
+            f"{off.get('mean_accepted_per_step')} over {off.get('steps')} steps.\n")
+    return "\n".join(lines)
+
+
+def target_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str) -> str:
+    spec = info["spec"]
+    kind = spec["kind"]
+    arch = "Qwen3ForCausalLM" if kind == "dense" else "Qwen3MoeForCausalLM"
+    moe = (f", {spec['num_experts']} experts, top-{spec['num_experts_per_tok']}, expert intermediate "
+           f"{spec['moe_intermediate_size']}" if kind == "moe" else f", MLP intermediate {spec['intermediate_size']}")
+    ev = info.get("eval") or {}
+    return f"""# dcut-serve embedded {kind} target: `{folder.name}`
+
+A tiny code language model trained from scratch on this machine (2-core CPU, no model hub), the
+default {kind} target of dcut-serve. It writes Python-looking code; it is not a useful assistant.
+
+## Architecture
+
+`{arch}`: hidden {spec['hidden_size']}, {spec['num_hidden_layers']} layers, {spec['num_attention_heads']} heads,
+{spec['num_key_value_heads']} KV heads, head_dim {spec['head_dim']}{moe}, vocabulary {spec['vocab_size']},
+max positions {spec['max_position_embeddings']}, RoPE θ {spec['rope_theta']:g}, tied embeddings.
+{info['params']:,} parameters; weights stored in bfloat16 ({_size_mb(folder):.1f} MB); run it in float32 on
+CPU (`dtype="float32"`: bf16 is slower on AVX2).
+Drafter: `models/{folder.name}-dflash` (DFlash, block 16).
+
+{_data_section(meta)}
+## Training
+
+Command: `{command}` (seed {info['seed']}).
+{info['steps']} steps of {info['budget']['batch']} × {info['budget']['seq_len']} tokens
+({info['tokens_seen']:,} tokens), AdamW (β 0.9/0.95, wd 0.1), peak lr {info['budget']['lr']}, warmup + cosine,
+fp32 on 2 shared CPU threads, {info['train_seconds'] / 60:.1f} min.
+{_loss_line(info)}; held-out loss {ev.get('heldout_loss', float('nan')):.3f} nats/token.
+
+{_acceptance_section(ver)}
+{CALIBRATION_PLACEHOLDER}"""
+
+
+def drafter_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str) -> str:
+    d = info["dspec"]
+    ev = info.get("eval") or {}
+    return f"""# dcut-serve embedded DFlash drafter: `{folder.name}`
+
+DFlash block-diffusion drafter for `models/{info['target']}`, in the format vLLM 0.32's
+`speculative_config={{"method": "dflash", ...}}` loads (`DFlashDraftModel`, `qwen3_dflash.py`).
+
+## Architecture
+
+{d['num_hidden_layers']} Qwen3 decoder layers (non-causal attention), MLP intermediate {d['intermediate_size']},
+`fc` projecting the concatenated outputs of target layers {d['target_layer_ids']} (before the final norm) to the
+hidden size, then `hidden_norm`; context K/V come from that projection through each draft layer's
+k/v projections. Block size {d['block_size']} (`[anchor, <|mask|> × {d['block_size'] - 1}]`), mask token id 3.
+Embeddings and LM head are the target's (not stored here). {info['params']:,} trainable parameters,
+{_size_mb(folder):.1f} MB in bfloat16.
+
+{_data_section(meta)}
+## Training
+
+Command: `{command}` (seed {info['seed']}).
+Target frozen. Per sequence of {info['budget']['seq_len']} tokens, random anchor positions; each block sees the
+target features strictly before its anchor and itself bidirectionally; slot k predicts the *target's greedy
+(argmax) token* at position anchor + k (teacher-forced on the training text), cross-entropy weighted by
+exp(-(k-1)/{info['gamma']:g}). {info['steps']} steps, batch {info['budget']['batch']}, peak lr {info['budget']['lr']},
+{info['train_seconds'] / 60:.1f} min on 2 shared CPU threads.
+{_loss_line(info)}; held-out weighted loss {ev.get('heldout_loss', float('nan')):.3f}; held-out teacher-forced
+mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.
+
+{_acceptance_section(ver)}
+{CALIBRATION_PLACEHOLDER}"""
+
+
+def write_cards(out: Path, runs: Path, pair: tuple[str, str], command: str) -> None:
+    meta = json.loads((runs / "data" / "meta.json").read_text())
+    ver_path = runs / f"verify-{pair[0]}.json"
+    ver = json.loads(ver_path.read_text()) if ver_path.exists() else None
+    tgt, drf = out / pair[0], out / pair[1]
+    if (tgt / ".done").exists():
+        info = json.loads((tgt / ".done").read_text())
+        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, command))
+    if (drf / ".done").exists():
+        info = json.loads((drf / ".done").read_text())
+        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, command))

@@ -1,0 +1,53 @@
+"""D-Cut's Prometheus metrics, named in vLLM's style (``vllm:dcut_*``).
+
+They live in the process that runs the model runner: the API server's registry with the
+in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the worker's otherwise. The Serve
+replica re-exports the same figures through Ray's metrics (see ``deployments/``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from dcut.telemetry import StepRecord
+
+
+@functools.cache
+def _metrics() -> dict[str, Any]:
+    labels = ["model_name"]
+    return {
+        "steps": Counter("vllm:dcut_steps", "Engine steps that drafted with D-Cut on.", labels),
+        "proposed": Counter("vllm:dcut_drafts_proposed", "Draft tokens proposed.", labels),
+        "kept": Counter("vllm:dcut_drafts_kept", "Draft tokens kept for verification.", labels),
+        "verify": Counter("vllm:dcut_verify_tokens", "Tokens verified (bs + kept drafts).", labels),
+        "accepted": Counter("vllm:dcut_drafts_accepted", "Kept draft tokens accepted.", labels),
+        "accepted_pos": Counter("vllm:dcut_drafts_accepted_per_pos", "Accepted drafts by position.",
+                                [*labels, "position"]),
+        "ratio": Histogram("vllm:dcut_keep_ratio", "Chosen keep ratio per step.", labels,
+                           buckets=[0.1 * i for i in range(1, 11)]),
+        "budget": Histogram("vllm:dcut_budget", "Drafts kept per step across the batch.", labels,
+                            buckets=[0, 4, 8, 16, 32, 64, 128, 256, 512, 1024]),
+        "selection": Histogram("vllm:dcut_selection_seconds", "Time to decide keep depths.", labels,
+                               buckets=[5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2]),
+    }
+
+
+def observe(record: StepRecord, model_name: str) -> None:
+    """Count one step."""
+    m = _metrics()
+    m["steps"].labels(model_name).inc()
+    m["proposed"].labels(model_name).inc(record.proposed)
+    m["kept"].labels(model_name).inc(record.kept)
+    m["verify"].labels(model_name).inc(record.batch_size + sum(record.kept_per_position))
+    m["accepted"].labels(model_name).inc(record.accepted)
+    for pos, n in enumerate(record.accepted_per_position, 1):
+        if n:
+            m["accepted_pos"].labels(model_name, str(pos)).inc(n)
+    if record.proposed:
+        m["ratio"].labels(model_name).observe(record.ratio)
+        m["budget"].labels(model_name).observe(record.budget or 0)
+    if record.selection_us:
+        m["selection"].labels(model_name).observe(record.selection_us / 1e6)
