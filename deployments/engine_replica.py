@@ -121,6 +121,8 @@ class EngineReplica:
         except Exception as e:  # noqa: BLE001
             logger.debug("read_stats failed: %s", e)
             dcut = {}
+        if isinstance(dcut, dict) and isinstance(dcut.get("window"), dict):  # plugin snapshot: flatten
+            dcut = {**{k: v for k, v in dcut.items() if k != "window"}, **dcut["window"]}
         load = self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()})
         self._peak_tokens_per_s = max(self._peak_tokens_per_s, load.tokens_per_s)
         capacity = dcut.get("capacity_tokens_per_s") if isinstance(dcut, dict) else None

@@ -82,6 +82,8 @@ class VLLMEngine:
 
         frontend = {f.name: getattr(FrontendArgs(), f.name) for f in dataclasses.fields(FrontendArgs)}
         args = argparse.Namespace(**(frontend | vars(engine_args)))
+        if isinstance(args.served_model_name, str):  # the CLI gives a list; engine kwargs may give a str
+            args.served_model_name = [args.served_model_name]
         state = State()
         await init_app_state(self.engine, state, args,
                              supported_tasks=await self.engine.get_supported_tasks())
