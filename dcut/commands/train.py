@@ -20,7 +20,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="models", help="folder for the shipped models (default: models)")
     p.add_argument("--runs", default="runs", help="folder for data caches and checkpoints (default: runs)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared 2-core box one thread beats two)")
 
 
 def _target_args(p, prefix: str, minutes: float, lr: float) -> None:
@@ -40,7 +41,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         _target_args(p, "", 20.0 if kind == "dense" else 10.0, 2e-3)
         p = sub.add_parser(f"{kind}-drafter", help=f"train the DFlash drafter of the {kind} target")
         _common(p)
-        _target_args(p, "", 14.0 if kind == "dense" else 7.0, 1e-3)
+        _target_args(p, "", 14.0 if kind == "dense" else 7.0, 2e-3)
     p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
                        "measure acceptance, write the model cards")
     _common(p)
@@ -50,9 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("all", help="every stage in order, skipping finished ones, resuming checkpoints")
     _common(p)
     _target_args(p, "dense-", 20.0, 2e-3)
-    _target_args(p, "dense-drafter-", 14.0, 1e-3)
+    _target_args(p, "dense-drafter-", 14.0, 2e-3)
     _target_args(p, "moe-", 10.0, 2e-3)
-    _target_args(p, "moe-drafter-", 7.0, 1e-3)
+    _target_args(p, "moe-drafter-", 7.0, 2e-3)
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--num-prompts", type=int, default=16)

@@ -92,7 +92,8 @@ Drafter: `models/{folder.name}-dflash` (DFlash, block 16).
 Command: `{command}` (seed {info['seed']}).
 {info['steps']} steps of {info['budget']['batch']} × {info['budget']['seq_len']} tokens
 ({info['tokens_seen']:,} tokens), AdamW (β 0.9/0.95, wd 0.1), peak lr {info['budget']['lr']}, warmup + cosine,
-fp32 on 2 shared CPU threads, {info['train_seconds'] / 60:.1f} min.
+fp32 on {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine,
+{info['train_seconds'] / 60:.1f} min.
 {_loss_line(info)}; held-out loss {ev.get('heldout_loss', float('nan')):.3f} nats/token.
 
 {_acceptance_section(ver)}
@@ -124,7 +125,8 @@ Target frozen. Per sequence of {info['budget']['seq_len']} tokens, random anchor
 target features strictly before its anchor and itself bidirectionally; slot k predicts the *target's greedy
 (argmax) token* at position anchor + k (teacher-forced on the training text), cross-entropy weighted by
 exp(-(k-1)/{info['gamma']:g}). {info['steps']} steps, batch {info['budget']['batch']}, peak lr {info['budget']['lr']},
-{info['train_seconds'] / 60:.1f} min on 2 shared CPU threads.
+{info.get('blocks_per_seq', 16)} blocks per sequence, {info['train_seconds'] / 60:.1f} min on
+{info.get('threads', 1)} CPU thread(s) of a shared 2-core machine.
 {_loss_line(info)}; held-out weighted loss {ev.get('heldout_loss', float('nan')):.3f}; held-out teacher-forced
 mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.
 

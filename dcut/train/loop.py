@@ -54,7 +54,7 @@ def _progress(total: int, initial: int, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, file=sys.stderr, mininterval=15,
-                dynamic_ncols=False, ncols=100)
+                dynamic_ncols=False, ncols=110, unit="%")
 
 
 def _run_loop(name, params, step_fn, run_dir: Path, budget: Budget, seed: int, state_extra: dict,
@@ -63,7 +63,7 @@ def _run_loop(name, params, step_fn, run_dir: Path, budget: Budget, seed: int, s
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "ckpt.pt"
     opt = torch.optim.AdamW(params, lr=budget.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    state = {"step": 0, "elapsed": 0.0, "total_steps": None, "history": [], **state_extra}
+    state = {"step": 0, "elapsed": 0.0, "history": [], **state_extra}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         model_for_ckpt.load_state_dict(saved["model"])
@@ -74,15 +74,17 @@ def _run_loop(name, params, step_fn, run_dir: Path, budget: Budget, seed: int, s
     def save():
         _atomic_save({"model": model_for_ckpt.state_dict(), "opt": opt.state_dict(), "state": state}, ckpt)
 
-    total = state["total_steps"] or budget.max_steps
-    bar = _progress(total, state["step"], name)
+    def progress() -> float:
+        return max(state["step"] / budget.max_steps, state["elapsed"] / budget.time_s)
+
+    bar = _progress(100, int(100 * progress()), name)
     last_ckpt = time.time()
     t_seg = time.time()
     el0 = state["elapsed"]
     run_loss, run_n = 0.0, 0
-    while state["step"] < (state["total_steps"] or budget.max_steps):
+    while progress() < 1.0:
         step = state["step"]
-        lr = M.cosine_lr(step, state["total_steps"] or budget.max_steps, budget.lr, budget.warmup)
+        lr = M.scheduled_lr(step, progress(), budget.lr, budget.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         loss, extra = step_fn(step)
@@ -94,20 +96,12 @@ def _run_loop(name, params, step_fn, run_dir: Path, budget: Budget, seed: int, s
         state["elapsed"] = el0 + (time.time() - t_seg)
         run_loss += loss.item()
         run_n += 1
-        bar.update(1)
-        if state["total_steps"] is None and state["step"] == 10:
-            per_step = state["elapsed"] / 10
-            state["total_steps"] = max(20, min(budget.max_steps, int(budget.time_s / per_step)))
-            bar.total = state["total_steps"]
-            log(f"{name}: {per_step:.2f} s/step -> {state['total_steps']} steps for a {budget.time_s:.0f}s budget")
-        if state["total_steps"] and state["elapsed"] > 1.25 * budget.time_s and state["step"] < state["total_steps"]:
-            log(f"{name}: over 1.25x the time budget at step {state['step']}: stopping early")
-            state["total_steps"] = state["step"]
+        bar.update(max(0, min(100, int(100 * progress())) - bar.n))
         if state["step"] % budget.log_every == 0:
             rec = {"step": state["step"], "loss": run_loss / run_n, "lr": lr, "elapsed": round(state["elapsed"], 1),
                    **extra}
             state["history"].append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}")
+            bar.set_postfix(step=state["step"], loss=f"{rec['loss']:.3f}")
             log(f"{name}: " + json.dumps(rec))
             run_loss, run_n = 0.0, 0
         if time.time() - last_ckpt > budget.ckpt_every_s:

@@ -351,6 +351,14 @@ def spec_from_hf_config(cfg) -> TargetSpec:
     )
 
 
+def scheduled_lr(step: int, progress: float, base: float, warmup: int = 50, floor: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay over the budget fraction `progress` (0..1):
+    a time-based schedule that adapts to the throughput of a shared machine."""
+    w = min(1.0, (step + 1) / warmup)
+    t = min(1.0, max(0.0, progress))
+    return base * w * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def cosine_lr(step: int, total: int, base: float, warmup: int = 50, floor: float = 0.1) -> float:
     if step < warmup:
         return base * (step + 1) / warmup

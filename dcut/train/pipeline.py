@@ -94,7 +94,8 @@ def stage_target(name: str, spec: M.TargetSpec, out: Path, runs: Path, budget: L
     info = {"name": name, "spec": asdict(spec), "params": state["params"], "steps": state["step"],
             "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
             "tokens_seen": state["step"] * budget.batch * budget.seq_len,
-            "budget": asdict(budget), "seed": seed, "history": state["history"], "eval": state.get("eval")}
+            "budget": asdict(budget), "seed": seed, "threads": torch.get_num_threads(),
+            "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
 
@@ -109,20 +110,22 @@ def load_target(folder: Path):
 
 
 def stage_drafter(name: str, target_name: str, dspec: M.DrafterSpec, out: Path, runs: Path,
-                  budget: L.Budget, seed: int, gamma: float = 7.0) -> dict:
+                  budget: L.Budget, seed: int, gamma: float = 7.0, blocks_per_seq: int = 32) -> dict:
     folder = out / name
     if _done(folder):
         return json.loads((folder / ".done").read_text())
     tokens, held = load_tokens(runs)
     target = load_target(out / target_name)
     t0 = time.time()
-    drafter, state = L.train_drafter(target, dspec, tokens, held, runs / name, budget, seed, gamma=gamma)
+    drafter, state = L.train_drafter(target, dspec, tokens, held, runs / name, budget, seed, gamma=gamma,
+                                      blocks_per_seq=blocks_per_seq)
     if folder.exists():
         shutil.rmtree(folder)
     M.save_drafter(drafter, folder)
     info = {"name": name, "target": target_name, "dspec": asdict(dspec), "params": state["params"],
             "steps": state["step"], "train_seconds": round(state["elapsed"], 1),
             "wall_seconds": round(time.time() - t0, 1), "gamma": gamma, "budget": asdict(budget),
+            "blocks_per_seq": blocks_per_seq, "threads": torch.get_num_threads(),
             "seed": seed, "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
