@@ -67,6 +67,8 @@ class EngineSettings(BaseModel):
     draft: str | None = Field("models/dense-dflash", description="Drafter folder; None for plain decoding.")
     method: SpecMethod = Field("dflash", description="Speculative method; 'none' decodes without a drafter.")
     num_speculative_tokens: int = Field(15, ge=1, le=64, description="K, drafts per request per step.")
+    spec_schedule: list[tuple[int, int, int]] | None = Field(
+        None, description="vLLM dynamic speculation: (bs from, bs to, K) ranges; K per batch size.")
     tensor_parallel_size: int = Field(1, ge=1)
     dtype: str = Field("float32", description="float32 on AVX2 CPUs (bf16 is 3-5x slower there).")
     max_num_seqs: int = Field(64, ge=1)

@@ -13,6 +13,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=dense_draft, help="drafter folder (default: its DFlash drafter)")
     parser.add_argument("--method", default="dflash", choices=["dflash", "draft_model"])
     parser.add_argument("--k", type=int, default=15, help="drafts per request per step")
+    parser.add_argument("--spec-schedule", type=parse_schedule, default=None,
+                        help="vLLM dynamic speculation, e.g. '1-4:15,5-16:7,17-64:3' (bs range: K)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -24,11 +26,29 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
 
 
+def parse_schedule(text: str) -> list[tuple[int, int, int]]:
+    """'1-4:15,5-16:7' -> [(1, 4, 15), (5, 16, 7)]."""
+    try:
+        out = []
+        for part in text.split(","):
+            span, k = part.split(":")
+            lo, hi = span.split("-")
+            out.append((int(lo), int(hi), int(k)))
+        return out
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected 'lo-hi:K,...', got {text!r}") from e
+
+
+def schedule_text(schedule: list[tuple[int, int, int]]) -> str:
+    return ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in schedule)
+
+
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
     """Validated settings from the flags (pydantic errors name the setting)."""
     dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
                         count_bonus=args.count_bonus, calibrate=args.calibrate,
                         cost_table=args.cost_table, cache_dir=args.cache_dir)
     return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-                          tensor_parallel_size=args.tp, dtype=args.dtype, max_model_len=args.max_model_len,
+                          spec_schedule=args.spec_schedule, tensor_parallel_size=args.tp, dtype=args.dtype,
+                          max_model_len=args.max_model_len,
                           dcut=dcut)

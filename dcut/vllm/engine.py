@@ -5,9 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dcut.cost_table import Fingerprint
 from dcut.settings import EngineSettings
+from dcut.vllm.state import make_fingerprint
 
 WORKER_EXTENSION = "dcut.vllm.worker.DCutWorkerExtension"
+
+
+def fingerprint(settings: EngineSettings) -> Fingerprint:
+    """The fingerprint the engine built from ``settings`` will give its cost table (ask a
+    controller for a matching table before starting the engine)."""
+    kw = engine_kwargs(settings)
+    spec = kw.get("speculative_config") or {}
+    return make_fingerprint(model=kw["model"], drafter=spec.get("model"), k=spec.get("num_speculative_tokens", 0),
+                            tensor_parallel_size=settings.tensor_parallel_size, dtype=settings.dtype)
 
 
 def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
@@ -32,6 +43,9 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
             raise ValueError(f"method {settings.method!r} needs a drafter path (settings.draft)")
         kw["speculative_config"] = {"method": settings.method, "model": str(Path(settings.draft)),
                                     "num_speculative_tokens": k}
+        if settings.spec_schedule:
+            kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = [
+                list(r) for r in settings.spec_schedule]
         # Drafts are cut before the next schedule: synchronous scheduling either way, so that
         # D-Cut and full-width verification are compared on equal terms.
         kw["async_scheduling"] = False

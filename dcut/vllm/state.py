@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, Fingerprint, current_hardware, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
-from dcut.telemetry import StepRecord, StepWindow
+from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
 
 logger = logging.getLogger("vllm.dcut")
@@ -67,20 +67,23 @@ def settings_from_config(vllm_config: Any) -> DCutSettings | None:
 
 
 def fingerprint_for(vllm_config: Any) -> Fingerprint:
-    """What a cost table of this engine depends on."""
-    import vllm
-
+    """What a cost table of this engine depends on (``dcut.vllm.engine.fingerprint`` must agree)."""
     spec = vllm_config.speculative_config
-    return Fingerprint(
-        hardware=current_hardware(),
+    return make_fingerprint(
         model=str(vllm_config.model_config.model),
         drafter=str(spec.model) if spec is not None else None,
         k=spec.num_speculative_tokens if spec is not None else 0,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
         dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-        vllm_version=vllm.__version__,
-        dcut_version=dcut.__version__,
     )
+
+
+def make_fingerprint(model: str, drafter: str | None, k: int, tensor_parallel_size: int, dtype: str) -> Fingerprint:
+    import vllm
+
+    return Fingerprint(hardware=current_hardware(), model=model, drafter=drafter, k=k,
+                       tensor_parallel_size=tensor_parallel_size, dtype=dtype, vllm_version=vllm.__version__,
+                       dcut_version=dcut.__version__)
 
 
 class RunnerDCut:
@@ -217,6 +220,13 @@ class RunnerDCut:
         log_conf = torch.stack([c for _, c in rows])
         self.calibrator.update(log_conf, verified.num_draft[idx], verified.accepted[idx].cpu())
 
+    def estimates(self) -> list[ThroughputEstimate]:
+        """Predicted tokens/s per profiled batch size from the cost table and live acceptance."""
+        if self.cost_table is None or not len(self.window):
+            return []
+        sizes = sorted(int(b) for b in self.cost_table.to_json()["points"])
+        return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings, self.cost_table)
+
     def _log_summary(self) -> None:
         """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
         w = self.window
@@ -241,6 +251,7 @@ class RunnerDCut:
             "window": self.window.summary(),
             "selection_us_median": statistics.median(sel) if (sel := [
                 r.selection_us for r in self.window.records if r.selection_us]) else None,
+            "estimates": [asdict(e) for e in self.estimates()],
         }
         if self.calibrator is not None:
             out["calibration"] = self.calibrator.reliability()

@@ -92,8 +92,14 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
 
 
 def test_cost_table_cached_and_reused(tiny, cache_dir):
-    first = _run(_settings(tiny, "dflash", "auto", cache_dir))
+    from dcut.vllm.engine import fingerprint
+
+    settings = _settings(tiny, "dflash", "auto", cache_dir)
+    first = _run(settings)
     assert first["stats"]["cost_source"].startswith(("cache", "profiled"))
+    # A controller hands tables out by the fingerprint computed from settings, before any engine runs.
+    assert first["table"]["fingerprint"] == fingerprint(settings).model_dump()
+    assert first["stats"]["estimates"], "throughput estimates come from the cost table and live acceptance"
     again = _run(_settings(tiny, "dflash", "continuous", cache_dir))
     assert again["stats"]["cost_source"].startswith("cache"), "a restart with the same setup must reuse the table"
 

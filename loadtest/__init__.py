@@ -1,0 +1,1 @@
+"""Load tests (Locust) and the batch-size sweep benchmark."""
