@@ -23,8 +23,21 @@ TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_h
 
 
 @pytest.fixture(scope="module")
-def corpus():
-    files = D.list_sources()
+def files():
+    return D.list_sources()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on a shared 2-core box two threads are several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def corpus(files):
     assert len(files) > 100
     train, held = D.split_sources(files)
     assert held and train and not {f.rel for f in train} & {f.rel for f in held}
@@ -36,11 +49,10 @@ def corpus():
     return tok, np.asarray(ids, dtype=np.uint16), held
 
 
-def test_split_is_deterministic():
-    files = D.list_sources()
+def test_split_is_deterministic(files):
     a, b = D.split_sources(files)
-    a2, b2 = D.split_sources(D.list_sources())
-    assert [f.rel for f in b] == [f.rel for f in b2]
+    a2, b2 = D.split_sources(list(reversed(files)))
+    assert sorted(f.rel for f in b) == sorted(f.rel for f in b2)
     assert all(not f.rel.startswith(("test/", "site-packages/")) for f in a + b)
 
 
@@ -57,17 +69,20 @@ def test_tokenizer_specials_and_hf_files(corpus, tmp_path):
     assert chat == "<|im_start|>user\ndef f():<|im_end|>\n<|im_start|>assistant\n"
     text = "def f(x):\n    return x  # ok\n"
     assert hf.decode(hf(text)["input_ids"]) == text
-    prompts = D.heldout_prompts(held, tok, n=2, min_tokens=20, max_tokens=60)
+    prompts = D.heldout_prompts(held[:3], tok, n=2, min_tokens=20, max_tokens=60)
     assert prompts and all(20 <= len(tok.encode(p).ids) <= 60 for p in prompts)
 
 
 @pytest.fixture(scope="module")
 def tiny_target(corpus, tmp_path_factory):
     _, ids, _ = corpus
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
     spec = M.TargetSpec(kind="dense", **TINY)
     budget = L.Budget(max_steps=30, time_s=1e9, seq_len=64, batch=4, lr=3e-3, warmup=5, log_every=10)
     run_dir = tmp_path_factory.mktemp("target")
     model, state = L.train_target(spec, ids, ids, run_dir, budget, seed=0)
+    torch.set_num_threads(n)
     return spec, budget, run_dir, model, state
 
 
