@@ -258,3 +258,14 @@ def test_select_never_syncs_with_the_host(mode: str) -> None:
         select(lc, cfg, table, torch.full((16,), 5))
     names = {e.name for e in prof.events()}
     assert not names & {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"}, names
+
+
+def test_per_request_keeps_the_same_depth_for_every_request() -> None:
+    lc = torch.log(torch.rand(6, 7).clamp_min(1e-3))
+    depths, decision = select(lc, DCutSettings(mode="per_request", per_request_depth=3), None,
+                              max_depth=torch.tensor([7, 7, 2, 7, 0, 7]))
+    assert depths.tolist() == [3, 3, 2, 3, 0, 3]
+    assert int(decision.kept) == 14 and int(decision.proposed) == 30
+    scores = prefix_scores(lc, torch.tensor([7, 7, 2, 7, 0, 7]))
+    kept = torch.arange(7) < depths.unsqueeze(1)
+    assert float(decision.expected_accepted) == pytest.approx(float((scores * kept).sum()))

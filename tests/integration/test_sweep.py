@@ -1,0 +1,52 @@
+"""The batch-size sweep end to end on tiny models: two batch sizes, a short prompt set."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_tiny_models
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+MODES = ["none", "full", "dynamic", "fixed-per-request", "auto"]
+
+
+def test_sweep_two_batch_sizes(tmp_path):
+    tiny = build_tiny_models(tmp_path / "models")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "class Point:", "import os"]))
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "dcut.cli", "sweep", "--bs", "1,4", "--modes", ",".join(MODES), "--model",
+           str(tiny["target"]), "--draft", str(tiny["dflash"]), "--k", "3", "--prompts", str(prompts),
+           "--max-tokens", "12", "--max-model-len", "256", "--out", str(out)]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["machine"]["cpu"]
+    cells = {(r["mode"], r["bs"]): r for r in record["results"]}
+    assert set(cells) == {(m, b) for m in MODES for b in (1, 4)}
+    for (mode, bs), r in cells.items():
+        assert r["tokens_per_s"] > 0
+        assert r["speedup_vs_none"] == pytest.approx(r["tokens_per_s"] / cells[("none", bs)]["tokens_per_s"])
+        assert r["token_ids_sha256"] == cells[("none", bs)]["token_ids_sha256"], f"{mode} bs={bs} not lossless"
+    for bs in (1, 4):  # fixed-per-request keeps auto's budget, spread evenly
+        depth = cells[("fixed-per-request", bs)]["per_request_depth"]
+        assert depth == round((cells[("auto", bs)]["mean_keep_ratio"] or 1.0) * 3)
+    assert any("dynamic" in note for note in record["notes"])
+    table = (out / "sweep.md").read_text()
+    assert "| mode | bs 1 | bs 4 | geo |" in table and "identical to `none` in every cell: **yes**" in table
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "cost_table.png").stat().st_size > 0
+
+
+def test_sweep_rejects_unknown_mode(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dcut.cli", "sweep", "--modes", "none,turbo"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "unknown modes ['turbo']" in proc.stderr
