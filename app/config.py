@@ -76,8 +76,12 @@ class AutoscalingSettings(_Strict):
 class EngineReplicaSettings(_Strict):
     num_cpus: float = Field(0.5, gt=0.0, description="Ray CPUs per replica (fractional on small boxes).")
     num_gpus: float = Field(0.0, ge=0.0)
-    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica runs at once.")
-    max_queued_requests: int = Field(64, ge=-1, description="Queued at the ingress before 503 (-1: no cap).")
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica runs at once "
+                                      "(match the engine's max_num_seqs).")
+    max_queued_requests: int = Field(
+        512, ge=-1, description="Requests an ingress replica queues for the engine replicas before it answers "
+        "503 + Retry-After (-1: no cap). At least ingress.max_ongoing_requests means never 503 from a full queue "
+        "with one ingress replica: queueing instead of failing.")
     telemetry_interval_s: float = Field(2.0, gt=0.0,
                                         description="How often a replica reports to the controller.")
     profile_wait_s: float = Field(120.0, ge=0.0,
@@ -85,8 +89,8 @@ class EngineReplicaSettings(_Strict):
                                   "fingerprint before profiling here.")
     controller_timeout_s: float = Field(5.0, gt=0.0)
     default_capacity_tokens_per_s: float = Field(100.0, gt=0.0,
-                                                 description="Capacity assumed until D-Cut or live "
-                                                 "traffic gives an estimate.")
+                                                 description="Capacity assumed until D-Cut has a throughput "
+                                                 "estimate (a cost table and some live steps).")
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENGINE_ENV),
                                 description="Environment of the replica process (vLLM settings).")
     fault_injection_marker: str | None = Field(
@@ -103,7 +107,8 @@ class ControllerSettings(_Strict):
 
 class IngressSettings(_Strict):
     num_cpus: float = Field(0.1, ge=0.0)
-    max_ongoing_requests: int = Field(256, ge=1)
+    max_ongoing_requests: int = Field(512, ge=1, description="HTTP requests one ingress replica holds at once; "
+                                      "beyond it Serve's proxy queues them.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header on 503 when every replica is full.")
     api_key: str | None = Field(None, description="When set, every route but /health needs "
                                 "'Authorization: Bearer <api_key>'.")
@@ -123,10 +128,10 @@ class AppConfig(_Strict):
         updates = {}
         for name in ("model", "draft"):
             value = getattr(self.engine, name)
-            if value and not Path(value).is_absolute() and (REPO_ROOT / value).exists():
+            if value and not Path(value).is_absolute():
                 updates[name] = str(REPO_ROOT / value)
-        if self.engine.method == "none" and self.engine.draft is not None:
-            updates["draft"] = None
+        if self.engine.method == "none":  # nothing drafted, nothing to cut
+            updates.update(draft=None, dcut=None)
         if self.engine.served_model_name is None:
             updates["served_model_name"] = Path(self.engine.model).name
         if updates:

@@ -1,37 +1,39 @@
 """EngineReplica: one vLLM engine with D-Cut, fed by the ingress, reporting to the controller.
 
-Start: ask the controller for a cost table of this fingerprint; use it, or wait while another replica
-profiles the same fingerprint, or profile here and hand the result back. A controller that is down
-only means this replica profiles (or uses its own table) and keeps serving.
+Start: ask the controller for a cost table of this engine's fingerprint; use it, or wait while another
+replica profiles the same fingerprint, or let the engine profile (or load its own cache). A controller
+that is down only means this replica profiles and keeps serving.
+
+Capacity and demand for the autoscaler come from the plugin's throughput estimates
+(``dcut.telemetry``): capacity = best tokens/s at a batch size that still gives each request the
+objective rate; demand = running and waiting requests x that rate.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from ray import serve
 
 from app.config import AppConfig
-from deployments import plugin
+from dcut import telemetry
+from dcut.cost_table import CostTable
+from dcut.settings import EngineSettings
+from dcut.vllm.engine import fingerprint
 from deployments.metrics import ReplicaMetrics
-from deployments.records import (
-    CAPACITY_KEY,
-    DEMAND_KEY,
-    CostTableOffer,
-    CostTableSource,
-    ReplicaReport,
-    fingerprint_key,
-)
+from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport
 from deployments.vllm_engine import VLLMEngine
 
 logger = logging.getLogger("ray.serve")
+
+READ_TIMEOUT_S = 5.0  # reading D-Cut state from the engine (an RPC to the engine core)
 
 
 class EngineReplica:
@@ -42,66 +44,48 @@ class EngineReplica:
         self.controller = controller
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:  # noqa: BLE001 - outside Serve (unit use)
+        except RuntimeError:  # outside a Serve replica
             self.replica_id = f"local-{os.getpid()}"
-        settings = self.config.engine
-        self.fingerprint = plugin.fingerprint(settings)
-        self.fingerprint_key = fingerprint_key(self.fingerprint)
-        settings, self.cost_table_source = await self._cost_table_for(settings)
+        self.fingerprint = fingerprint(self.config.engine).key()
+        settings = await self._with_cost_table(self.config.engine)
 
         self.engine = VLLMEngine(settings, fault_marker=self.rs.fault_injection_marker)
         await self.engine.start()
-        if self.cost_table_source == "profiled":
-            await self._hand_back_profile()
+        stats = await self.engine.dcut_stats()
+        self.cost_source = stats["cost_source"] if stats else "off"
         self.start_seconds = time.monotonic() - t0
-        logger.info("EngineReplica %s ready in %.1f s; cost table: %s (fingerprint %s)", self.replica_id,
-                    self.start_seconds, self.cost_table_source, self.fingerprint_key)
+        logger.info("EngineReplica %s ready in %.1f s; D-Cut cost table: %s (fingerprint %s)", self.replica_id,
+                    self.start_seconds, self.cost_source, self.fingerprint)
         self.metrics = ReplicaMetrics(self.replica_id, self.config.served_model_name)
-        self._last_report: ReplicaReport | None = None
-        self._peak_tokens_per_s = 0.0
+        self._stats: dict[str, Any] = stats or {}
         self._telemetry = asyncio.create_task(self._report_forever())
 
     # ---- cost table at start ------------------------------------------------------------------
 
-    async def _cost_table_for(self, settings) -> tuple[Any, CostTableSource]:
+    async def _with_cost_table(self, settings: EngineSettings) -> EngineSettings:
+        """``settings`` with the controller's table for this fingerprint, when it has one."""
         dcut = settings.dcut
-        if dcut is None or dcut.mode == "off":
-            return settings, "none"
-        if dcut.cost_table:
-            return settings, "config"
-        deadline = time.monotonic() + self.rs.profile_wait_s
+        if dcut is None or dcut.cost_table:
+            return settings
+        start, waiting = time.monotonic(), False
         while True:
-            offer = await self._ask_controller(
-                "offer_cost_table", self.fingerprint_key, self.fingerprint, self.replica_id)
-            if offer is None:
-                break  # controller down: profile here
-            offer = CostTableOffer.model_validate(offer)
-            if offer.action == "use" and offer.table:
-                path = self._write_table(offer.table)
-                return settings.model_copy(update={"dcut": dcut.model_copy(update={"cost_table": path})}), \
-                    "controller"
-            if offer.action == "profile" or time.monotonic() > deadline:
-                break
-            logger.info("EngineReplica %s: another replica is profiling %s, waiting", self.replica_id,
-                        self.fingerprint_key)
+            answer = await self._ask_controller("offer_cost_table", self.fingerprint, self.replica_id)
+            if answer is None:
+                return settings  # controller down: the engine profiles (or loads its cache)
+            offer = CostTableOffer.model_validate(answer)
+            if offer.action == "use":
+                path = Path(tempfile.gettempdir()) / "dcut-serve" / f"{self.fingerprint}-{self.replica_id}.json"
+                CostTable.from_json(offer.table).save(path)
+                logger.info("EngineReplica %s: cost table %s from the controller (waited %.1f s)", self.replica_id,
+                            self.fingerprint, time.monotonic() - start)
+                return settings.model_copy(update={"dcut": dcut.model_copy(update={"cost_table": str(path)})})
+            if offer.action == "profile" or time.monotonic() - start > self.rs.profile_wait_s:
+                return settings
+            if not waiting:
+                waiting = True
+                logger.info("EngineReplica %s: another replica is profiling %s, waiting for its table",
+                            self.replica_id, self.fingerprint)
             await asyncio.sleep(1.0)
-        return settings, ("profiled" if dcut.profile else "none")
-
-    def _write_table(self, table: dict) -> str:
-        fd, path = tempfile.mkstemp(prefix=f"dcut-cost-{self.fingerprint_key}-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f)
-        return path
-
-    async def _hand_back_profile(self) -> None:
-        try:
-            table = await plugin.read_cost_table(self.engine.engine)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("reading the cost table failed: %s", e)
-            table = None
-        if table is None:
-            self.cost_table_source = "none"
-        await self._ask_controller("put_cost_table", self.fingerprint_key, table, self.replica_id)
 
     async def _ask_controller(self, method: str, *args) -> Any:
         if self.controller is None:
@@ -115,27 +99,37 @@ class EngineReplica:
 
     # ---- telemetry ----------------------------------------------------------------------------
 
+    def capacity(self) -> tuple[float, str]:
+        """Tokens/s this replica can give at the latency objective, and where the figure comes from."""
+        estimates = [telemetry.ThroughputEstimate(**e) for e in self._stats.get("estimates") or []]
+        if not estimates:
+            return self.rs.default_capacity_tokens_per_s, "default"
+        best = telemetry.capacity(estimates, self.rs.autoscaling.request_tokens_per_s)
+        if best <= 0:  # no batch size meets the objective: one request at a time is the best there is
+            best = min(estimates, key=lambda e: e.batch_size).tokens_per_s
+        return best, "estimates"
+
+    def demand(self) -> float:
+        """Tokens/s asked of this replica now: its running and waiting requests at the objective rate."""
+        load = self.engine.load
+        running = min(load.engine_requests, self.config.engine.max_num_seqs)
+        return telemetry.demand(running, load.ongoing_requests - running, self.rs.autoscaling.request_tokens_per_s)
+
     async def report(self) -> ReplicaReport:
-        try:
-            dcut = await asyncio.wait_for(plugin.read_stats(self.engine.engine), timeout=5.0) or {}
-        except Exception as e:  # noqa: BLE001
-            logger.debug("read_stats failed: %s", e)
-            dcut = {}
-        if isinstance(dcut, dict) and isinstance(dcut.get("window"), dict):  # plugin snapshot: flatten
-            dcut = {**{k: v for k, v in dcut.items() if k != "window"}, **dcut["window"]}
-        load = self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()})
-        self._peak_tokens_per_s = max(self._peak_tokens_per_s, load.tokens_per_s)
-        capacity = dcut.get("capacity_tokens_per_s") if isinstance(dcut, dict) else None
-        if not isinstance(capacity, int | float) or capacity <= 0:
-            capacity = max(self.rs.default_capacity_tokens_per_s, self._peak_tokens_per_s)
-        demand = load.ongoing_requests * self.rs.autoscaling.request_tokens_per_s
-        self._last_report = ReplicaReport(
-            replica_id=self.replica_id, fingerprint_key=self.fingerprint_key,
-            served_model_name=self.config.served_model_name, cost_table_source=self.cost_table_source,
-            start_seconds=self.start_seconds, sent_at=time.time(), load=load,
-            capacity_tokens_per_s=float(capacity), demand_tokens_per_s=float(demand),
-            dcut=dcut if isinstance(dcut, dict) else {})
-        return self._last_report
+        """Read D-Cut's state from the engine and summarise it with the replica's load."""
+        stats, table = await asyncio.wait_for(
+            asyncio.gather(self.engine.dcut_stats(), self.engine.cost_table()), timeout=READ_TIMEOUT_S)
+        self._stats = stats or {}
+        capacity, capacity_from = self.capacity()
+        return ReplicaReport(
+            replica_id=self.replica_id, served_model_name=self.config.served_model_name,
+            fingerprint=self.fingerprint, cost_source=self.cost_source, start_seconds=self.start_seconds,
+            sent_at=time.time(), load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
+            capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),
+            estimates=self._stats.get("estimates") or [],
+            dcut={**(self._stats.get("window") or {}), "steps": self._stats.get("steps", 0),
+                  "selection_us_median": self._stats.get("selection_us_median")},
+            cost_table=table)
 
     async def _report_forever(self) -> None:
         while True:
@@ -143,14 +137,14 @@ class EngineReplica:
                 report = await self.report()
                 self.metrics.update(report)
                 await self._ask_controller("report", report.model_dump())
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - telemetry must not stop the replica
                 logger.warning("telemetry failed: %s", e)
             await asyncio.sleep(self.rs.telemetry_interval_s)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Feeds the custom autoscaling policy (AutoscalingContext.aggregated_metrics)."""
-        report = await self.report()
-        return {CAPACITY_KEY: report.capacity_tokens_per_s, DEMAND_KEY: report.demand_tokens_per_s}
+        """Feeds the custom autoscaling policy (AutoscalingContext.aggregated_metrics): live demand,
+        capacity from the estimates of the last telemetry read."""
+        return {CAPACITY_KEY: self.capacity()[0], DEMAND_KEY: self.demand()}
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
-"""D-Cut and serving metrics through Ray's metrics system (scraped from Ray's metrics port).
+"""D-Cut and serving metrics through Ray's metrics system (scraped from Ray's metrics port as ``ray_dcut_*``).
 
-vLLM's own metrics are exported by vLLM's ``RayPrometheusStatLogger`` (label ``ReplicaId``); these add
-what D-Cut and the replica know, labelled ``replica``.
+vLLM's own metrics are exported by vLLM's ``RayPrometheusStatLogger`` (``ray_vllm_*``, label ``ReplicaId``).
+The plugin's ``vllm:dcut_*`` counters live in the engine core's process registry, which Ray does not
+scrape, so the replica re-exports what D-Cut reports here, labelled ``replica`` like Serve's own metrics.
 """
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge, Histogram
+from ray.util.metrics import Counter, Gauge
 
 from deployments.records import ReplicaReport
 
@@ -16,46 +17,58 @@ _TAGS = ("replica", "model")
 class ReplicaMetrics:
     def __init__(self, replica_id: str, model: str):
         self.tags = {"replica": replica_id, "model": model}
-        g = lambda name, desc: Gauge(name, description=desc, tag_keys=_TAGS)  # noqa: E731
-        self.capacity = g("dcut_capacity_tokens_per_s", "D-Cut throughput estimate of the replica")
-        self.demand = g("dcut_demand_tokens_per_s", "Tokens/s asked of the replica now")
-        self.keep_ratio = g("dcut_keep_ratio", "Mean fraction of drafts kept (recent steps)")
-        self.accepted_length = g("dcut_accepted_length", "Mean accepted tokens per request per step")
-        self.ongoing = g("dcut_ongoing_requests", "Requests in the replica")
-        self.engine_requests = g("dcut_engine_requests", "Requests inside the vLLM engine")
-        self.tokens_per_s = g("dcut_generated_tokens_per_s", "Generated tokens/s (10 s window)")
-        self.start_seconds = g("dcut_replica_start_seconds", "Seconds from replica start to ready")
-        self.generated = Counter("dcut_generated_tokens", description="Generated tokens", tag_keys=_TAGS)
-        self.aborted = Counter("dcut_aborted_requests", description="Requests aborted (client gone)",
-                               tag_keys=_TAGS)
-        self.batch_size = Histogram("dcut_step_batch_size", description="Batch size of recent D-Cut steps",
-                                    boundaries=[1, 2, 4, 8, 16, 32, 64, 128, 256], tag_keys=_TAGS)
-        self._last_generated = 0
-        self._last_aborted = 0
+
+        def gauge(name: str, description: str, *extra: str) -> Gauge:
+            return Gauge(name, description=description, tag_keys=(*_TAGS, *extra))
+
+        def counter(name: str, description: str) -> Counter:
+            return Counter(name, description=description, tag_keys=_TAGS)
+
+        self.capacity = gauge("dcut_capacity_tokens_per_s", "Tokens/s the replica can give at the latency "
+                              "objective (D-Cut estimate, or the default before one exists)")
+        self.demand = gauge("dcut_demand_tokens_per_s", "Tokens/s asked of the replica now")
+        self.estimate = gauge("dcut_estimated_tokens_per_s", "D-Cut's predicted tokens/s per batch size",
+                              "batch_size")
+        self.keep_ratio = gauge("dcut_keep_ratio", "Mean fraction of drafts kept (recent steps)")
+        self.accepted_length = gauge("dcut_accepted_length", "Accepted drafts per request-step (recent steps)")
+        self.position_acceptance = gauge("dcut_position_acceptance", "Acceptance of draft position t "
+                                         "when verified (recent steps)", "position")
+        self.batch_size = gauge("dcut_batch_size_mean", "Mean batch size of recent D-Cut steps")
+        self.selection_us = gauge("dcut_selection_us", "Median time to choose keep depths (recent steps)")
+        self.ongoing = gauge("dcut_ongoing_requests", "Requests in the replica")
+        self.engine_requests = gauge("dcut_engine_requests", "Requests inside the vLLM engine")
+        self.tokens_per_s = gauge("dcut_generated_tokens_per_s", "Generated tokens/s (10 s window)")
+        self.start_seconds = gauge("dcut_replica_start_seconds", "Seconds from replica start to ready")
+        self.steps = counter("dcut_steps", "Engine steps with D-Cut on")
+        self.generated = counter("dcut_generated_tokens", "Generated tokens")
+        self.aborted = counter("dcut_aborted_requests", "Requests aborted (client gone)")
+        self._last = {"steps": 0, "generated": 0, "aborted": 0}
+
+    def _count(self, name: str, counter: Counter, total: int) -> None:
+        if total > self._last[name]:
+            counter.inc(total - self._last[name], tags=self.tags)
+        self._last[name] = total  # the engine's step count restarts when its stats are reset
 
     def update(self, report: ReplicaReport) -> None:
-        t, load, dcut = self.tags, report.load, report.dcut
+        t, load, window = self.tags, report.load, report.dcut
         self.capacity.set(report.capacity_tokens_per_s, tags=t)
         self.demand.set(report.demand_tokens_per_s, tags=t)
         self.ongoing.set(load.ongoing_requests, tags=t)
         self.engine_requests.set(load.engine_requests, tags=t)
         self.tokens_per_s.set(load.tokens_per_s, tags=t)
         self.start_seconds.set(report.start_seconds, tags=t)
-        if isinstance(dcut.get("mean_keep_ratio"), int | float):
-            self.keep_ratio.set(float(dcut["mean_keep_ratio"]), tags=t)
-        if isinstance(dcut.get("mean_accepted_length"), int | float):
-            self.accepted_length.set(float(dcut["mean_accepted_length"]), tags=t)
-        if load.generated_tokens_total > self._last_generated:
-            self.generated.inc(load.generated_tokens_total - self._last_generated, tags=t)
-            self._last_generated = load.generated_tokens_total
-        if load.aborted_total > self._last_aborted:
-            self.aborted.inc(load.aborted_total - self._last_aborted, tags=t)
-            self._last_aborted = load.aborted_total
-        hist = dcut.get("batch_size_histogram") or {}
-        if isinstance(hist, dict):
-            for bs, count in hist.items():
-                try:
-                    for _ in range(min(int(count), 64)):
-                        self.batch_size.observe(float(bs), tags=t)
-                except (TypeError, ValueError):
-                    continue
+        for e in report.estimates:
+            self.estimate.set(e["tokens_per_s"], tags={**t, "batch_size": str(int(e["batch_size"]))})
+        for name, gauge in (("mean_keep_ratio", self.keep_ratio), ("mean_accepted_length", self.accepted_length),
+                            ("selection_us_median", self.selection_us)):
+            if window.get(name) is not None:
+                gauge.set(float(window[name]), tags=t)
+        for position, rate in enumerate(window.get("position_acceptance") or [], 1):
+            if rate is not None:
+                self.position_acceptance.set(rate, tags={**t, "position": str(position)})
+        if histogram := window.get("batch_size_histogram"):
+            steps = sum(histogram.values())
+            self.batch_size.set(sum(int(b) * n for b, n in histogram.items()) / steps, tags=t)
+        self._count("steps", self.steps, int(window.get("steps") or 0))
+        self._count("generated", self.generated, load.generated_tokens_total)
+        self._count("aborted", self.aborted, load.aborted_total)

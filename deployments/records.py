@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
-
-CostTableSource = Literal["controller", "profiled", "config", "none"]
 
 # Keys of record_autoscaling_stats(); the autoscaling policy reads them back.
 CAPACITY_KEY = "capacity_tokens_per_s"
 DEMAND_KEY = "demand_tokens_per_s"
 
 
-def fingerprint_key(fingerprint: dict) -> str:
-    """A short stable key for a hardware/model fingerprint (canonical JSON, SHA-1)."""
-    return hashlib.sha1(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 class EngineLoad(BaseModel):
     """What the replica sees of its own engine."""
 
-    ongoing_requests: int = 0
-    engine_requests: int = 0
+    ongoing_requests: int = 0  # in the replica (rendering, queued or inside the engine)
+    engine_requests: int = 0  # inside vLLM's engine
     generated_tokens_total: int = 0
     aborted_total: int = 0
     failed_total: int = 0
@@ -35,15 +26,22 @@ class ReplicaReport(BaseModel):
     """One replica's telemetry, sent to the controller every ``telemetry_interval_s``."""
 
     replica_id: str
-    fingerprint_key: str
     served_model_name: str
-    cost_table_source: CostTableSource
+    fingerprint: str = Field(description="dcut.cost_table.Fingerprint.key() of the engine.")
+    cost_source: str = Field(description="Where the engine's cost table came from (the plugin's words: "
+                             "'profiled', 'given (path)', 'cache (path)', ...), or 'off'.")
     start_seconds: float
     sent_at: float
     load: EngineLoad
     capacity_tokens_per_s: float
+    capacity_from: Literal["estimates", "default"]
     demand_tokens_per_s: float
-    dcut: dict = Field(default_factory=dict, description="dcut.vllm.api.read_stats() summary.")
+    estimates: list[dict[str, float]] = Field(
+        default_factory=list, description="dcut.telemetry.ThroughputEstimate per profiled batch size.")
+    dcut: dict[str, Any] = Field(default_factory=dict,
+                                 description="The plugin's stats window (dcut.telemetry.StepWindow.summary) "
+                                 "plus 'steps' and 'selection_us_median'.")
+    cost_table: dict[str, Any] | None = Field(None, description="The engine's cost table now (JSON form).")
 
 
 class CostTableOffer(BaseModel):

@@ -1,5 +1,7 @@
-"""The only module of the deployments that knows vLLM: an ``AsyncLLM`` plus vLLM's own OpenAI serving
-objects (prompt rendering, chat templates, streaming chunks and error bodies are vLLM's).
+"""The only module of the deployments that knows vLLM: an ``AsyncLLM`` built by the D-Cut plugin's
+``dcut.vllm.engine.engine_kwargs`` plus vLLM's own OpenAI serving objects (prompt rendering, chat
+templates, streaming chunks and error bodies are vLLM's), and D-Cut's view of the engine
+(``dcut.vllm.api``).
 
 Requests in, OpenAI bodies out: ``completions`` and ``chat`` yield either one response (a dict, with
 ``"error"`` for an ErrorResponse) or, for streams, the SSE strings vLLM produces.
@@ -17,7 +19,8 @@ from http import HTTPStatus
 from typing import Any
 
 from dcut.settings import EngineSettings
-from deployments import plugin
+from dcut.vllm import api as dcut_api
+from dcut.vllm.engine import engine_kwargs
 from deployments.records import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -74,15 +77,14 @@ class VLLMEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
-        kwargs = plugin.engine_kwargs(self.settings)
-        engine_args = AsyncEngineArgs(**kwargs, disable_log_stats=False)
+        engine_args = AsyncEngineArgs(**engine_kwargs(self.settings), disable_log_stats=False)
         loggers = self._stat_loggers if self._stat_loggers is not None else [RayPrometheusStatLogger]
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
         self._wrap_generate()
 
         frontend = {f.name: getattr(FrontendArgs(), f.name) for f in dataclasses.fields(FrontendArgs)}
         args = argparse.Namespace(**(frontend | vars(engine_args)))
-        if isinstance(args.served_model_name, str):  # the CLI gives a list; engine kwargs may give a str
+        if isinstance(args.served_model_name, str):  # vLLM's frontend wants the CLI's list
             args.served_model_name = [args.served_model_name]
         state = State()
         await init_app_state(self.engine, state, args,
@@ -178,6 +180,14 @@ class VLLMEngine:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def dcut_stats(self) -> dict[str, Any] | None:
+        """The plugin's D-Cut snapshot (stats window, cost source, throughput estimates); None when off."""
+        return await dcut_api.aread_stats(self.engine)
+
+    async def cost_table(self) -> dict[str, Any] | None:
+        """The engine's cost table now (JSON form), None when it has none."""
+        return await dcut_api.aread_cost_table(self.engine)
 
     def tokens_per_s(self) -> float:
         return self._throughput.rate()

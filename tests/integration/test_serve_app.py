@@ -1,4 +1,5 @@
-"""The whole Serve application on a real local Ray instance with real vLLM engines (tiny model).
+"""The whole Serve application on a real local Ray instance with real vLLM engines and the D-Cut plugin
+on (tiny Qwen3 target + DFlash head, K=7, mode auto, a two-batch-size start-up profile).
 
 Two applications share one Ray instance: ``dcut`` (2 engine replicas, API key, tiny queues for 503)
 and ``scale`` (1..2 replicas, fast autoscaling) for the scale-up/scale-down test.
@@ -24,36 +25,33 @@ MODEL = "tiny"
 FAULT = "__inject_fault__"
 
 
-def _engine_env() -> dict:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if os.environ.get("DCUT_TEST_PLUGIN", "0") != "1":  # serving layer alone, plugin stand-ins
-        env.update(DCUT_PLUGIN="off", VLLM_PLUGINS="none")
-    return env
-
-
-def _args(model: str, **replica) -> dict:
+def _args(models: dict, cache_dir, **replica) -> dict:
+    """D-Cut on (DFlash, K=7, auto) with a small start-up profile; ``cache_dir``: where the engine caches it."""
+    dcut = {"mode": "auto", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
+            "cache_dir": str(cache_dir)}
     return {
-        "engine": {"model": model, "draft": None, "method": "none", "max_num_seqs": 8,
-                   "max_model_len": 256, "served_model_name": MODEL, "dcut": {"mode": "auto"}},
-        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "env": _engine_env(),
-                           "fault_injection_marker": FAULT, "profile_wait_s": 60, **replica},
+        "engine": {"model": str(models["target"]), "draft": str(models["dflash"]), "method": "dflash",
+                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256,
+                   "served_model_name": MODEL, "dcut": dcut},
+        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "fault_injection_marker": FAULT,
+                           "profile_wait_s": 60, **replica},
         "ingress": {"api_key": KEY, "retry_after_s": 2, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
     }
 
 
 @pytest.fixture(scope="module")
-def apps(ray_cluster, tiny_model):
+def apps(ray_cluster, tiny_models, tmp_path_factory):
     from ray import serve
 
     from app.builder import build_app
 
-    main = _args(str(tiny_model), max_ongoing_requests=3, max_queued_requests=1,
-                 autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
-    scale = _args(str(tiny_model), max_ongoing_requests=8, max_queued_requests=16, default_capacity_tokens_per_s=50,
+    main = _args(tiny_models, tmp_path_factory.mktemp("dcut-cache"), max_ongoing_requests=3,
+                 max_queued_requests=1, autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
+    scale = _args(tiny_models, tmp_path_factory.mktemp("scale-cache"), max_ongoing_requests=8,
+                  max_queued_requests=16,
                   autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-                               "request_tokens_per_s": 200, "upscale_delay_s": 0, "downscale_delay_s": 3,
+                               "request_tokens_per_s": 1000, "upscale_delay_s": 0, "downscale_delay_s": 3,
                                "look_back_period_s": 2})
     t0 = time.monotonic()
     serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
@@ -214,25 +212,57 @@ def test_client_disconnect_aborts_engine_request(client):
 
 # ---- D-Cut controller ------------------------------------------------------------------------
 
-def test_status_shape(client):
+def test_second_replica_uses_controller_table(client):
+    """One replica profiles; the other waits for its table and starts from it without profiling."""
     status = _status(client)
-    assert len(status["replicas"]) == 2
+    sources = sorted(r["cost_source"] for r in status["replicas"])
+    (fingerprint,) = {r["fingerprint"] for r in status["replicas"]}
+    assert sources[1] == "profiled", sources
+    assert sources[0].startswith("given (") and fingerprint in sources[0], sources
+    assert list(status["cost_tables"]) == [fingerprint]
+    assert len(status["cost_tables"][fingerprint]["from_replicas"]) == 2
+    assert status["profiling"] == {}
+
+
+def test_capacity_and_demand_from_dcut_estimates(client):
+    from dcut import telemetry
+
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
+    for _ in range(4):  # both replicas step with D-Cut on
+        assert client.post("/v1/completions", json=body).status_code == 200
+    time.sleep(2.5)  # two telemetry reports
+    status = _status(client)
+    rate = status["cluster"]["request_tokens_per_s"]
     for r in status["replicas"]:
-        assert {"batch_size", "keep_ratio", "acceptance", "capacity_tokens_per_s", "demand_tokens_per_s",
-                "cost_table_source"} <= set(r)
-        assert r["capacity_tokens_per_s"] > 0
+        assert {"batch_size", "keep_ratio", "acceptance", "estimates", "capacity_tokens_per_s",
+                "demand_tokens_per_s", "cost_source"} <= set(r)
+        assert r["steps"] > 0 and r["keep_ratio"] is not None
+        assert r["capacity_from"] == "estimates"
+        assert sorted(e["batch_size"] for e in r["estimates"]) == [1, 4]
+        estimates = [telemetry.ThroughputEstimate(**e) for e in r["estimates"]]
+        expected = telemetry.capacity(estimates, rate) or min(estimates, key=lambda e: e.batch_size).tokens_per_s
+        assert r["capacity_tokens_per_s"] == pytest.approx(expected)
+        assert r["demand_tokens_per_s"] == 0.0  # idle now
     assert {"capacity_tokens_per_s", "demand_tokens_per_s", "suggested_replicas"} <= set(status["cluster"])
 
 
-def test_second_replica_uses_controller_table(client):
-    from deployments import plugin
+def test_metrics_carry_replica_label(client):
+    """vLLM's and D-Cut's metrics reach Ray's metrics port, one series per replica."""
+    import ray
 
-    sources = sorted(r["cost_table_source"] for r in _status(client)["replicas"])
-    if os.environ.get("DCUT_TEST_PLUGIN", "0") != "1" or not plugin.HAVE_PLUGIN:
-        assert sources == ["none", "none"]  # stand-ins: no table anywhere, nobody waits forever
-        pytest.skip("needs the D-Cut plugin (DCUT_TEST_PLUGIN=1) to profile a table")
-    assert sources == ["controller", "profiled"]
-    assert len(_status(client)["cost_tables"]) == 1
+    port = ray.nodes()[0]["MetricsExportPort"]
+    replicas = {r["replica_id"] for r in _status(client)["replicas"]}
+    deadline = time.monotonic() + 40
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        dcut = {line for line in text.splitlines() if line.startswith("ray_dcut_capacity_tokens_per_s{")}
+        vllm = [line for line in text.splitlines() if line.startswith("ray_vllm_num_requests_running{")]
+        if all(any(f'replica="{r}"' in line for line in dcut) for r in replicas) and vllm:
+            break
+        assert time.monotonic() < deadline, f"missing metrics: {sorted(dcut)} {vllm}"
+        time.sleep(2)
+    assert any('ReplicaId="' in line for line in vllm)
+    assert "ray_dcut_estimated_tokens_per_s{" in text and "ray_dcut_keep_ratio{" in text
 
 
 # ---- autoscaling -----------------------------------------------------------------------------
