@@ -151,7 +151,10 @@ def run_mode(mode: str, config: dict, users_list: list[int], opts, work: Path) -
     log(f"D-Cut {mode} (engine.dcut.mode={cfg.engine.dcut.mode}): serve run {path} (log {serve.log})")
     serve.start()
     try:
-        info["ready_s"] = round(serve.wait_ready(cfg.served_model_name, opts.start_timeout, progress=log), 1)
+        auto = cfg.engine_replica.autoscaling
+        replicas = auto.initial_replicas or auto.min_replicas
+        info["ready_s"] = round(serve.wait_ready(cfg.served_model_name, opts.start_timeout, replicas=replicas,
+                                                 progress=log), 1)
         log(f"  ready after {info['ready_s']} s")
         for users in users_list:
             prefix = work / f"{mode}-u{users}"
@@ -169,6 +172,9 @@ def run_mode(mode: str, config: dict, users_list: list[int], opts, work: Path) -
             for e in result.errors:
                 log(f"  failure x{e['occurrences']}: {e['name']}: {e['error'][:200]}")
         info["dcut_status"] = serve.get_json("/dcut/status")
+        status_replicas = (info["dcut_status"] or {}).get("replicas", [])
+        info["replicas_at_end"] = len(status_replicas)
+        log(f"  engine replicas at the end: {len(status_replicas)}")
     finally:
         log(f"stopping serve ({mode})")
         killed = serve.stop(progress=log)

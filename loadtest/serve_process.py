@@ -70,8 +70,9 @@ class ServeProcess:
         except OSError:
             return ""
 
-    def wait_ready(self, model: str, timeout_s: float, progress=print) -> float:
-        """Wait (bounded) for /health and a first successful completion; returns seconds waited."""
+    def wait_ready(self, model: str, timeout_s: float, replicas: int = 1, progress=print) -> float:
+        """Wait (bounded) for /health, a first successful completion and ``replicas`` engine replicas
+        reporting to the D-Cut controller; returns seconds waited."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         stage, last_note = "health", 0.0
@@ -88,10 +89,17 @@ class ServeProcess:
                     if stage == "completion":
                         r = client.post("/v1/completions", json=body)
                         if r.status_code == 200:
+                            stage = "replicas"
+                        else:
+                            note = f"first completion: HTTP {r.status_code} {r.text[:200]}"
+                    if stage == "replicas":  # every initial engine replica has reported (no start-up left)
+                        status = client.get("/dcut/status")
+                        up = len(status.json().get("replicas", [])) if status.status_code == 200 else 0
+                        if up >= replicas:
                             self.remember_tree()
                             return time.monotonic() - t0
-                        note = f"first completion: HTTP {r.status_code} {r.text[:200]}"
-                    else:
+                        note = f"{up}/{replicas} engine replicas reported"
+                    elif stage == "health":
                         note = "waiting for /health"
                 except httpx.HTTPError as e:
                     note = f"{stage}: {type(e).__name__}"

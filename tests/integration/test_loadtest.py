@@ -1,8 +1,8 @@
 """The load test against a real Serve app, and the results table on real Locust CSV output.
 
 The app runs on the shared local Ray instance (tests/conftest.py) as its own application
-``loadtest`` under ``/loadtest`` (tiny random model, one engine replica, API key on); Locust runs
-headless in a subprocess for a few seconds with 3 users.
+``loadtest`` under ``/loadtest`` (tests.tiny_models target + DFlash head, K=7, D-Cut auto, one
+engine replica, API key on); Locust runs headless in a subprocess for a few seconds with 3 users.
 """
 
 from __future__ import annotations
@@ -30,25 +30,20 @@ MODEL = "tiny-lt"
 COMMITTED_CSV = REPO / "docs" / "loadtest" / "csv"
 
 
-def _engine_env() -> dict:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if os.environ.get("DCUT_TEST_PLUGIN", "0") != "1":  # serving layer alone, as in test_serve_app.py
-        env.update(DCUT_PLUGIN="off", VLLM_PLUGINS="none")
-    return env
-
-
 @pytest.fixture(scope="module")
-def loadtest_app(ray_cluster, tiny_model):
+def loadtest_app(ray_cluster, tiny_models, tmp_path_factory):
     from ray import serve
 
     from app.builder import build_app
 
+    dcut = {"mode": "auto", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
+            "cache_dir": str(tmp_path_factory.mktemp("loadtest-cache"))}
     args = {
-        "engine": {"model": str(tiny_model), "draft": None, "method": "none", "max_num_seqs": 8,
-                   "max_model_len": 256, "served_model_name": MODEL, "dcut": {"mode": "auto"}},
-        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "env": _engine_env(),
-                           "max_ongoing_requests": 8, "max_queued_requests": 16, "profile_wait_s": 60,
+        "engine": {"model": str(tiny_models["target"]), "draft": str(tiny_models["dflash"]), "method": "dflash",
+                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256,
+                   "served_model_name": MODEL, "dcut": dcut},
+        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "max_ongoing_requests": 8,
+                           "max_queued_requests": 16, "profile_wait_s": 60,
                            "autoscaling": {"min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}},
         "ingress": {"api_key": KEY, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
