@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                     if src.exists():
                         shutil.copy(src, csv_dir / src.name)
             cfg0 = validated_args(next(iter(configs.values())))
-            model_note = _model_note(cfg0)
+            model_note = _model_note(cfg0, validated_args(mode_config(base, "on", [], None)))
             meta = {
                 "started": started,
                 "finished": dt.datetime.now().isoformat(timespec="seconds"),
@@ -266,14 +266,14 @@ def main(argv=None) -> int:
     return 0 if results and all(r.failures == 0 and r.user_errors == 0 for r in results) else 1
 
 
-def _model_note(cfg) -> str:
-    embedded = [REPO / "models" / "dense", REPO / "models" / "dense-dflash"]
-    missing = [p.name for p in embedded if not p.exists()]
+def _model_note(cfg, base_cfg) -> str:
     served = f"Served: target `{cfg.engine.model}`, drafter `{cfg.engine.draft}` ({cfg.engine.method}, " \
              f"k={cfg.engine.num_speculative_tokens})."
-    if missing:
-        return (f"**The embedded trained models ({', '.join('models/' + m for m in missing)}) were not in the "
-                f"repository when this ran.** {served}")
+    if (cfg.engine.model, cfg.engine.draft) != (base_cfg.engine.model, base_cfg.engine.draft):
+        missing = [p for p in (base_cfg.engine.model, base_cfg.engine.draft) if p and not Path(p).exists()]
+        state = f"missing when this ran: {', '.join(missing)}" if missing else "present when this ended"
+        served += (f" **Not the config's models** (`{base_cfg.engine.model}`, `{base_cfg.engine.draft}`; "
+                   f"{state}).")
     return served
 
 
