@@ -20,14 +20,7 @@ def plot_cost_table(table_json: dict[str, Any], out: Path, title: str = "") -> P
         ax.plot(tokens, ms, marker="o", label=f"bs={bs}")
     ax.set_xlabel("verify tokens per step (bs + kept drafts)")
     ax.set_ylabel("step cost (ms)")
-    ax.set_xscale("log", base=2)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "D-Cut cost table")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(fig, ax, out, title or "D-Cut cost table")
 
 
 def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
@@ -39,12 +32,17 @@ def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput / plain decoding")
+    return _finish(fig, ax, out, title or "Speedup vs plain decoding")
+
+
+def _finish(fig: plt.Figure, ax: plt.Axes, out: Path, title: str) -> Path:
+    """Shared look (log2 x axis, grid, legend) and save."""
+    ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title or "Speedup vs plain decoding")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

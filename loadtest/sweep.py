@@ -1,7 +1,7 @@
 """The batch-size sweep: every mode at every batch size, on the same engine settings, in one run.
 
-Each engine runs in its own ``dcut generate`` process (clean memory, no state shared between
-modes); one engine serves all batch sizes of a mode. Modes:
+Engines run one after another in this process (in-process vLLM engines start in seconds); one
+engine serves all batch sizes of a mode. Modes:
 
 - ``none`` plain decoding, no drafter;           ``full`` every draft verified;
 - ``dynamic`` vLLM's own ``num_speculative_tokens_per_batch_size``, with the best K per batch
@@ -12,36 +12,39 @@ modes); one engine serves all batch sizes of a mode. Modes:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from dcut.commands.engine_args import schedule_text
+from dcut.commands.sweep import SWEEP_MODES
 from dcut.machine import machine_info
+from dcut.settings import EngineSettings
+from dcut.vllm.offline import generate, settings_for_mode
 
-SWEEP_MODES = ("none", "full", "dynamic", "fixed-per-request", "auto", "continuous")
 DYNAMIC_KS = (1, 3, 7)  # plus the sweep's own K
 
 
 class SweepError(RuntimeError):
-    """A cell's engine failed; carries its stderr tail."""
+    """An engine of the sweep failed."""
 
 
-def run_cell(engine_flags: list[str], mode: str, batch_sizes: list[int], extra: list[str],
-             common: list[str]) -> list[dict[str, Any]]:
-    """One engine (one ``dcut generate`` process) over several batch sizes."""
-    cmd = [sys.executable, "-m", "dcut.cli", "generate", *engine_flags, *common, "--mode", mode,
-           "--batch-size", ",".join(map(str, batch_sizes)), "--json", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-    if proc.returncode != 0:
-        raise SweepError(f"{' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def run_cell(base: EngineSettings, mode: str, batch_sizes: list[int], prompts: list[str], max_tokens: int,
+             **update: Any) -> list[dict[str, Any]]:
+    """One engine over several batch sizes; ``update`` changes engine or D-Cut settings."""
+    settings = settings_for_mode(mode, base)
+    dcut_update = {k: update.pop(k) for k in list(update) if k in ("per_request_depth",)}
+    if dcut_update and settings.dcut is not None:
+        update["dcut"] = settings.dcut.model_copy(update=dcut_update)
+    try:
+        return generate(settings.model_copy(update=update), prompts, batch_sizes, max_tokens)
+    except Exception as e:  # an engine that cannot run this configuration
+        raise SweepError(f"{mode} {update}: {type(e).__name__}: {e}") from e
+    finally:
+        gc.collect()
 
 
 def best_k_schedule(by_k: dict[int, dict[int, float]], batch_sizes: list[int]) -> list[tuple[int, int, int]]:
@@ -55,11 +58,12 @@ def best_k_schedule(by_k: dict[int, dict[int, float]], batch_sizes: list[int]) -
     return schedule
 
 
-def sweep(engine_flags: list[str], k: int, batch_sizes: list[int], modes: list[str], common: list[str],
+def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompts: list[str], max_tokens: int,
           out: Path) -> dict[str, Any]:
-    """Run every requested mode; returns the sweep record (also written to ``out/sweep.json``)."""
+    """Run every requested mode; returns the sweep record (also written to ``out/``)."""
     out.mkdir(parents=True, exist_ok=True)
-    flags = [*engine_flags, "--cache-dir", str(out / "cost_cache")]
+    k = base.num_speculative_tokens
+    base = base.model_copy(update={"dcut": base.dcut.model_copy(update={"cache_dir": str(out / "cost_cache")})})
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
     plan = [m for m in ("none", "full", "auto", "continuous") if m in modes]
@@ -70,7 +74,7 @@ def sweep(engine_flags: list[str], k: int, batch_sizes: list[int], modes: list[s
                desc="sweep", unit="engine")
     for mode in plan:
         bar.set_postfix_str(mode)
-        for r in run_cell(flags, mode, batch_sizes, ["--k", str(k)], common):
+        for r in run_cell(base, mode, batch_sizes, prompts, max_tokens):
             rows[(mode, r["batch_size"])] = r
         bar.update()
 
@@ -81,9 +85,8 @@ def sweep(engine_flags: list[str], k: int, batch_sizes: list[int], modes: list[s
             ratio = rows[("auto", bs)].get("mean_keep_ratio") or 1.0
             depths.setdefault(max(0, min(k, round(ratio * k))), []).append(bs)
         for depth, sizes in sorted(depths.items()):
-            for r in run_cell(flags, "per_request", sizes, ["--k", str(k), "--per-request-depth", str(depth)],
-                              common):
-                r["mode"], r["per_request_depth"] = "fixed-per-request", depth
+            for r in run_cell(base, "per_request", sizes, prompts, max_tokens, per_request_depth=depth):
+                r["mode"], r["per_request_depth"] = "fixed-per-request", r["dcut_settings"]["per_request_depth"]
                 rows[("fixed-per-request", r["batch_size"])] = r
         bar.update()
 
@@ -93,27 +96,25 @@ def sweep(engine_flags: list[str], k: int, batch_sizes: list[int], modes: list[s
         for kk in dynamic_ks:
             bar.set_postfix_str(f"fixed K={kk}")
             cells = ([rows[("full", bs)] for bs in batch_sizes] if kk == k and "full" in modes
-                     else run_cell(flags, "full", batch_sizes, ["--k", str(kk)], common))
+                     else run_cell(base, "full", batch_sizes, prompts, max_tokens, num_speculative_tokens=kk))
             by_k[kk] = {r["batch_size"]: r["tokens_per_s"] for r in cells}
             fixed_rows.update({(kk, r["batch_size"]): r for r in cells})
             bar.update()
         schedule = best_k_schedule(by_k, batch_sizes)
         bar.set_postfix_str("dynamic")
         try:
-            cells = run_cell(flags, "full", batch_sizes,
-                             ["--k", str(max(s[2] for s in schedule)), "--spec-schedule", schedule_text(schedule)],
-                             common)
+            cells = run_cell(base, "full", batch_sizes, prompts, max_tokens,
+                             num_speculative_tokens=max(s[2] for s in schedule), spec_schedule=schedule)
             for r in cells:
-                r["mode"] = "dynamic"
-                rows[("dynamic", r["batch_size"])] = r
+                rows[("dynamic", r["batch_size"])] = {**r, "mode": "dynamic"}
             notes.append(f"dynamic: vLLM num_speculative_tokens_per_batch_size = {schedule}")
         except SweepError as e:
             notes.append(f"dynamic: vLLM's dynamic speculation failed here, so the best fixed K per batch "
-                         f"size stands in for it (the same thing). Error: {str(e).splitlines()[-1]}")
+                         f"size stands in for it (the same thing). Error: {e}")
             for lo, hi, kk in schedule:
                 for bs in batch_sizes:
                     if lo <= bs <= hi:
-                        rows[("dynamic", bs)] = {**fixed_rows[(kk, bs)], "mode": "dynamic", "k": kk}
+                        rows[("dynamic", bs)] = {**fixed_rows[(kk, bs)], "mode": "dynamic"}
         bar.update()
     bar.close()
 
@@ -121,17 +122,17 @@ def sweep(engine_flags: list[str], k: int, batch_sizes: list[int], modes: list[s
     for (mode, bs), r in sorted(rows.items(), key=lambda kv: (SWEEP_MODES.index(kv[0][0]), kv[0][1])):
         if mode not in modes:
             continue
-        base = rows.get(("none", bs))
+        none = rows.get(("none", bs))
         results.append({
             "mode": mode, "bs": bs, "k": r.get("k"), "tokens_per_s": r["tokens_per_s"],
-            "speedup_vs_none": r["tokens_per_s"] / base["tokens_per_s"] if base else None,
+            "speedup_vs_none": r["tokens_per_s"] / none["tokens_per_s"] if none else None,
             "mean_keep_ratio": r.get("mean_keep_ratio"), "mean_accepted_length": r.get("mean_accepted_length"),
             "per_position_acceptance": r.get("per_position_acceptance"),
             "selection_us_median": r.get("selection_us_median"), "token_ids_sha256": r["token_ids_sha256"],
             "per_request_depth": r.get("per_request_depth"),
         })
-    record = {"machine": machine_info(), "engine_flags": engine_flags, "k": k, "batch_sizes": batch_sizes,
-              "common": common, "notes": notes, "results": results}
+    record = {"machine": machine_info(), "engine": base.model_dump(), "k": k, "batch_sizes": batch_sizes,
+              "max_tokens": max_tokens, "notes": notes, "results": results}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
     (out / "sweep.md").write_text(markdown(record))
     _plots(record, out)
@@ -175,9 +176,10 @@ def markdown(record: dict[str, Any]) -> str:
     same = all(r["token_ids_sha256"] == lossless.get(r["bs"]) for r in record["results"] if r["bs"] in lossless)
     lines += ["", f"Greedy outputs identical to `none` in every cell: **{'yes' if same else 'NO'}**."]
     lines += ["", *[f"- {n}" for n in record["notes"]]]
-    m = record["machine"]
-    lines += ["", f"Machine: {m.get('cpu', m)}; engine flags: `{' '.join(record['engine_flags'])}`; "
-              f"`{' '.join(record['common'])}`"]
+    m, e = record["machine"], record["engine"]
+    lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. Target `{e['model']}`, "
+              f"drafter `{e['draft']}` ({e['method']}), K={record['k']}, {e['dtype']}, "
+              f"{record['max_tokens']} greedy tokens per request."]
     return "\n".join(lines) + "\n"
 
 

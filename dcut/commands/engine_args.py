@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from dcut.settings import EMBEDDED_MODELS, DCutSettings, EngineSettings
 
@@ -43,8 +44,19 @@ def schedule_text(schedule: list[tuple[int, int, int]]) -> str:
     return ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in schedule)
 
 
+def engine_environment(tensor_parallel_size: int) -> None:
+    """Defaults for engines started from the command line (the user's environment wins):
+    nothing from a model hub; on CPU a 2 GiB KV cache (vLLM's CPU default reserves ~92% of RAM,
+    so two engines could not coexist) and, at TP=1, the engine in-process (starts in seconds)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    if tensor_parallel_size == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    """Validated settings from the flags (pydantic errors name the setting)."""
+    """Validated settings from the flags (pydantic errors name the setting); sets engine_environment."""
+    engine_environment(args.tp)
     dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
                         count_bonus=args.count_bonus, calibrate=args.calibrate,
                         cost_table=args.cost_table, cache_dir=args.cache_dir)

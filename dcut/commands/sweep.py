@@ -5,30 +5,28 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from dcut.cli import CommandError
+from dcut.commands.engine_args import add_engine_flags, engine_settings
 from dcut.vllm.offline import DEFAULT_PROMPTS, load_prompts
+
+SWEEP_MODES = ("none", "full", "dynamic", "fixed-per-request", "auto", "continuous")
 
 HELP = "Batch-size sweep of none/full/dynamic/fixed-per-request/auto/continuous; table, JSON and plots."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from dcut.settings import EMBEDDED_MODELS
-
-    dense, dense_draft = EMBEDDED_MODELS["dense"]
+    add_engine_flags(parser)
     parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
-    parser.add_argument("--modes", default="none,full,dynamic,fixed-per-request,auto,continuous")
-    parser.add_argument("--model", default=dense)
-    parser.add_argument("--draft", default=dense_draft)
-    parser.add_argument("--method", default="dflash", choices=["dflash", "draft_model"])
-    parser.add_argument("--k", type=int, default=15)
+    parser.add_argument("--modes", default=",".join(SWEEP_MODES))
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--out", default="docs/sweep")
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.sweep import SWEEP_MODES, SweepError, sweep
+    from loadtest.sweep import SweepError, sweep
 
     try:
         sizes = sorted({int(b) for b in args.bs.split(",") if b.strip()})
@@ -44,16 +42,14 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).is_dir():
             raise CommandError(f"model folder not found: {path}")
     try:
-        load_prompts(args.prompts)
-    except (ValueError, FileNotFoundError) as e:
+        prompts = load_prompts(args.prompts)
+        base = engine_settings(args)
+    except (ValueError, FileNotFoundError, ValidationError) as e:
         raise CommandError(str(e)) from e
-    engine = ["--model", args.model, "--draft", args.draft, "--method", args.method,
-              "--max-model-len", str(args.max_model_len)]
-    common = ["--prompts", args.prompts, "--max-tokens", str(args.max_tokens)]
     try:
-        record = sweep(engine, args.k, sizes, modes, common, Path(args.out))
+        record = sweep(base, sizes, modes, prompts, args.max_tokens, Path(args.out))
     except SweepError as e:
-        raise CommandError(f"an engine failed:\n{e}") from e
+        raise CommandError(f"an engine failed: {e}") from e
     print((Path(args.out) / "sweep.md").read_text())
     print(f"written: {args.out}/sweep.json, sweep.md, speedup.png, cost_table.png ({len(record['results'])} cells)")
     return 0

@@ -14,12 +14,12 @@ GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request")
 DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
 
 
-def settings_for_mode(mode: str, base: EngineSettings, dcut: DCutSettings | None = None) -> EngineSettings:
+def settings_for_mode(mode: str, base: EngineSettings) -> EngineSettings:
     """``none``: no drafter; ``full``: every draft verified (D-Cut records stats, cuts nothing);
-    ``fixed``/``auto``/``continuous``: D-Cut in that mode."""
+    ``fixed``/``auto``/``continuous``/``per_request``: D-Cut in that mode, with base's D-Cut settings."""
     if mode not in GENERATE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(GENERATE_MODES)}")
-    dcut = dcut or DCutSettings()
+    dcut = base.dcut or DCutSettings()
     if mode == "none":
         return base.model_copy(update={"method": "none", "draft": None, "dcut": None})
     dcut_mode = "off" if mode == "full" else mode
@@ -101,6 +101,7 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
             "selection_us_median": (stats or {}).get("selection_us_median"),
             "steps": window.get("steps"),
             "cost_source": (stats or {}).get("cost_source"),
+            "dcut_settings": (stats or {}).get("settings"),
             "calibration": (stats or {}).get("calibration"),
             "token_ids_sha256": token_ids_sha256(token_ids),
         })

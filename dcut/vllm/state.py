@@ -112,7 +112,7 @@ class RunnerDCut:
 
     def load_or_profile(self, run_step: Any, batch_sizes: list[int]) -> None:
         """Use a handed-in table, else the cache for this fingerprint, else profile (and cache)."""
-        if self.settings.mode in ("off", "fixed"):
+        if self.settings.mode in ("off", "fixed", "per_request"):
             self.cost_source = "not needed"
             return
         start = time.perf_counter()
