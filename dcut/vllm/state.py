@@ -35,6 +35,8 @@ from dcut.vllm import metrics
 logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
+OVERHEAD_GAP_S = 0.5  # a longer gap between steps is an idle engine, not per-step overhead
+OVERHEAD_EMA = 0.05
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
 
 
@@ -102,6 +104,8 @@ class RunnerDCut:
         self._verified: _Verified | None = None
         self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
         self._step_start = 0.0
+        self._step_end: float | None = None
+        self.overhead_ms = 0.0  # EMA of engine time between steps (scheduler, outputs): part of T(b)
         self._last_conf: dict[str, Tensor] = {}  # req id -> log conf of the drafts it was given
         self._last_log = time.monotonic()
 
@@ -111,10 +115,10 @@ class RunnerDCut:
         return root / f"{self.fingerprint.key()}.json"
 
     def load_or_profile(self, run_step: Any, batch_sizes: list[int]) -> None:
-        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache)."""
-        if self.settings.mode in ("off", "fixed", "per_request"):
-            self.cost_source = "not needed"
-            return
+        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache).
+
+        Every mode loads one: the modes that do not decide by cost still give throughput estimates.
+        """
         start = time.perf_counter()
         if self.settings.cost_table:
             self.cost_table = CostTable.load_for(self.settings.cost_table, self.fingerprint)
@@ -137,6 +141,8 @@ class RunnerDCut:
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
         self._step_start = time.perf_counter()
+        if self._step_end is not None and (gap := self._step_start - self._step_end) < OVERHEAD_GAP_S:
+            self.overhead_ms += OVERHEAD_EMA * (gap * 1000.0 - self.overhead_ms)
         pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
         self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
 
@@ -159,7 +165,8 @@ class RunnerDCut:
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """Truncate each request's drafts to its keep depth; record the step."""
-        step_ms = (time.perf_counter() - self._step_start) * 1000.0
+        self._step_end = time.perf_counter()
+        step_ms = (self._step_end - self._step_start) * 1000.0
         pending, self._pending = self._pending, None
         verified, self._verified = self._verified, None
         if pending is not None and len(drafts) == pending.keep.shape[0]:
@@ -225,7 +232,8 @@ class RunnerDCut:
         if self.cost_table is None or not len(self.window):
             return []
         sizes = sorted(int(b) for b in self.cost_table.to_json()["points"])
-        return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings, self.cost_table)
+        return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings, self.cost_table,
+                                        draft_ms=self.overhead_ms)
 
     def _log_summary(self) -> None:
         """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
@@ -252,6 +260,7 @@ class RunnerDCut:
             "selection_us_median": statistics.median(sel) if (sel := [
                 r.selection_us for r in self.window.records if r.selection_us]) else None,
             "estimates": [asdict(e) for e in self.estimates()],
+            "overhead_ms": self.overhead_ms,
         }
         if self.calibrator is not None:
             out["calibration"] = self.calibrator.reliability()
