@@ -46,9 +46,10 @@ def schedule_text(schedule: list[tuple[int, int, int]]) -> str:
 
 def engine_environment(tensor_parallel_size: int) -> None:
     """Defaults for engines started from the command line (the user's environment wins):
-    nothing from a model hub; on CPU a 2 GiB KV cache (vLLM's CPU default reserves ~92% of RAM,
+    nothing from a model hub; engine logs on stderr; on CPU a 2 GiB KV cache (vLLM's CPU default reserves ~92% of RAM,
     so two engines could not coexist) and, at TP=1, the engine in-process (starts in seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the --json output
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     if tensor_parallel_size == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
