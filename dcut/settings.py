@@ -22,7 +22,9 @@ class DCutSettings(BaseModel):
                        "per_request: the same number of drafts for every request (a baseline).")
     fixed_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Keep ratio used by mode=fixed.")
     per_request_depth: int = Field(4, ge=0, description="Drafts kept per request by mode=per_request.")
-    count_bonus: bool = Field(False, description="Count the bs bonus/anchor tokens in U's numerator.")
+    count_bonus: bool = Field(True, description="Count the bs bonus tokens in U's numerator: U is then "
+                              "expected tokens per step over step cost, so 'no drafts' (plain decoding) is a "
+                              "candidate and wins when drafts do not pay. The reference implementation: False.")
     fallback_ratio: float = Field(0.75, gt=0.0, le=1.0,
                                   description="Keep ratio when no cost covers this batch size.")
     min_budget: int = Field(0, ge=0, description="Floor on drafts kept across the batch.")

@@ -42,6 +42,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p = sub.add_parser(f"{kind}-drafter", help=f"train the DFlash drafter of the {kind} target")
         _common(p)
         _target_args(p, "", 14.0 if kind == "dense" else 7.0, 2e-3)
+        p = sub.add_parser(f"{kind}-drafter-distill", help=f"fine-tune the {kind} drafter on the target's own "
+                           "greedy continuations mixed with real text")
+        _common(p)
+        _target_args(p, "", 8.0 if kind == "dense" else 5.0, 1e-3)
+        p.add_argument("--sequences", type=int, default=192, help="greedy sequences to generate (default 192)")
     p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
                        "measure acceptance, write the model cards")
     _common(p)
@@ -52,8 +57,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _common(p)
     _target_args(p, "dense-", 20.0, 2e-3)
     _target_args(p, "dense-drafter-", 14.0, 2e-3)
+    _target_args(p, "dense-distill-", 8.0, 1e-3)
     _target_args(p, "moe-", 10.0, 2e-3)
     _target_args(p, "moe-drafter-", 7.0, 2e-3)
+    _target_args(p, "moe-distill-", 5.0, 1e-3)
+    p.add_argument("--sequences", type=int, default=192, help="greedy sequences per drafter fine-tune")
     p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -161,6 +169,13 @@ def run(args) -> int:
             raise CommandError(f"train the {kind} target first (`dcut train {kind}`)")
         P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
                         _budget(args.minutes, args.steps, args.lr, drafter=True), args.seed)
+    elif stage in ("dense-drafter-distill", "moe-drafter-distill"):
+        kind = stage.split("-")[0]
+        tname, dname = PAIRS[kind]
+        if not (out / dname / ".done").exists():
+            raise CommandError(f"train the {kind} drafter first (`dcut train {kind}-drafter`)")
+        P.stage_drafter_distill(dname, tname, out, runs, _budget(args.minutes, args.steps, args.lr, drafter=True),
+                                args.seed, n_seqs=args.sequences)
     elif stage == "verify":
         verify_pair(out, runs, args.pair, args.num_prompts, args.max_tokens)
         C.write_cards(out, runs, PAIRS[args.pair], command)
@@ -176,6 +191,11 @@ def run(args) -> int:
             P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
                             _budget(a[f"{kind}_drafter_minutes"], a[f"{kind}_drafter_steps"],
                                     a[f"{kind}_drafter_lr"], drafter=True), args.seed)
+            if a[f"{kind}_distill_minutes"] > 0:
+                P.stage_drafter_distill(dname, tname, out, runs,
+                                        _budget(a[f"{kind}_distill_minutes"], a[f"{kind}_distill_steps"],
+                                                a[f"{kind}_distill_lr"], drafter=True), args.seed,
+                                        n_seqs=args.sequences)
             if not args.no_verify and not (runs / f"verify-{tname}.json").exists():
                 try:
                     verify_pair(out, runs, kind, args.num_prompts, args.max_tokens)

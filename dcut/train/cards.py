@@ -65,6 +65,20 @@ def _acceptance_section(ver: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _distill_line(info: dict) -> str:
+    dd = info.get("distill")
+    if not dd:
+        return ""
+    ev = dd.get("eval") or {}
+    return (
+        f"\nThen fine-tuned on the target's own greedy continuations: {dd['greedy_sequences']} sequences "
+        f"(64-token real-text prompt + greedy tokens), every {dd['greedy_every']}nd batch from them, the others "
+        f"real text; {dd['steps']} steps, peak lr {dd['budget']['lr']}, {dd['train_seconds'] / 60:.1f} min; "
+        f"held-out (real text + unseen greedy sequences) weighted loss {ev.get('heldout_loss', float('nan')):.3f}, "
+        f"teacher-forced mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.\n"
+    )
+
+
 def target_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str) -> str:
     spec = info["spec"]
     kind = spec["kind"]
@@ -129,7 +143,7 @@ exp(-(k-1)/{info['gamma']:g}). {info['steps']} steps, batch {info['budget']['bat
 {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine.
 {_loss_line(info)}; held-out weighted loss {ev.get('heldout_loss', float('nan')):.3f}; held-out teacher-forced
 mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.
-
+{_distill_line(info)}
 {_acceptance_section(ver)}
 {CALIBRATION_PLACEHOLDER}"""
 

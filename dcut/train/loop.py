@@ -170,23 +170,57 @@ def sample_anchors(batch: int, T: int, nb: int, block: int, seed: int, step: int
     return torch.stack([torch.randperm(T - block, generator=g)[:nb] + 1 for _ in range(batch)]).sort(-1).values
 
 
+@torch.no_grad()
+def generate_greedy(target, tokens: np.ndarray, n_seqs: int, total_len: int, prompt_len: int = 64,
+                    batch: int = 16, seed: int = 0) -> np.ndarray:
+    """Self-distillation data: real-text prompts continued by the target's own greedy decoding
+    (the distribution the drafter meets at serving time, where acceptance is measured)."""
+    target.eval()
+    rng = np.random.default_rng([seed, 777])
+    out = []
+    bar = _progress(n_seqs, 0, "greedy-data")
+    for i in range(0, n_seqs, batch):
+        b = min(batch, n_seqs - i)
+        starts = rng.integers(0, len(tokens) - prompt_len - 1, size=b)
+        x = torch.from_numpy(np.stack([tokens[s:s + prompt_len].astype(np.int64) for s in starts]))
+        y = target.generate(x, max_new_tokens=total_len - prompt_len, min_new_tokens=total_len - prompt_len,
+                            do_sample=False, pad_token_id=4, attention_mask=torch.ones_like(x))
+        out.append(y[:, :total_len].numpy().astype(np.uint16))
+        bar.update(b)
+    bar.close()
+    return np.concatenate(out)
+
+
 def train_drafter(target, dspec: M.DrafterSpec, tokens: np.ndarray, heldout: np.ndarray, run_dir: Path,
-                  budget: Budget, seed: int = 0, blocks_per_seq: int = 16, gamma: float = 7.0):
+                  budget: Budget, seed: int = 0, blocks_per_seq: int = 16, gamma: float = 7.0,
+                  greedy: np.ndarray | None = None, greedy_every: int = 2, init=None):
+    """Train (or, with ``init``, fine-tune) a DFlash drafter against the frozen target. With ``greedy``
+    (sequences from `generate_greedy`), every ``greedy_every``-th batch comes from those sequences."""
     torch.manual_seed(seed + 1)
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
     tspec = M.spec_from_hf_config(target.config)
     drafter = M.DFlashDrafter(tspec, dspec)
+    if init is not None:
+        drafter.load_state_dict(init.state_dict())
     drafter.train()
     nparams = M.count_params(drafter)
     log(f"drafter: {nparams / 1e6:.2f}M trainable params, layers {dspec.num_hidden_layers}, "
         f"block {dspec.block_size}, target_layer_ids {dspec.target_layer_ids}")
     T = budget.seq_len
     evb = eval_windows(heldout, 8, T)
+    if greedy is not None:  # also report on held-out greedy continuations (last rows, never trained on)
+        n_ev = min(4, len(greedy) // 8)
+        evb = torch.cat([evb, torch.from_numpy(greedy[len(greedy) - n_ev:, :T].astype(np.int64))])
+        greedy = greedy[: len(greedy) - n_ev]
 
     def step_fn(step):
-        x = sample_batch(tokens, budget.batch, T, seed, step)
+        if greedy is not None and step % greedy_every == 0:
+            rows = np.random.default_rng([seed, step, 1]).integers(0, len(greedy), size=budget.batch)
+            x = torch.from_numpy(greedy[rows, :T].astype(np.int64))
+        else:
+            x = sample_batch(tokens, budget.batch, T, seed, step)
         anchors = sample_anchors(budget.batch, T, blocks_per_seq, dspec.block_size, seed, step)
         loss, correct, accepted = _drafter_batch_outputs(drafter, target, x, anchors, gamma)
         return loss, {"acc1": round(float(correct[..., 0].float().mean()), 3),

@@ -129,3 +129,42 @@ def stage_drafter(name: str, target_name: str, dspec: M.DrafterSpec, out: Path, 
             "seed": seed, "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
+
+
+def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, budget: L.Budget, seed: int,
+                          n_seqs: int = 256, gamma: float = 7.0, blocks_per_seq: int = 32) -> dict:
+    """Fine-tune a trained drafter on a mix of real text and the target's own greedy continuations."""
+    folder = out / name
+    info = json.loads((folder / ".done").read_text())
+    if info.get("distill"):
+        return info
+    target = load_target(out / target_name)
+    data = runs / f"{name}-greedy.npy"
+    if not data.exists():
+        t0 = time.time()
+        import os
+        import subprocess
+        import sys
+
+        cmd = [sys.executable, "-m", "dcut.train.verify", "generate", "--target", str(out / target_name),
+               "--tokens", str(runs / "data" / "train.npy"), "--out", str(data), "--n", str(n_seqs),
+               "--prompt-len", "64", "--total-len", str(budget.seq_len), "--seed", str(seed)]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if not data.exists():  # fall back to HF generate
+            L.log(f"{name}: vLLM greedy generation failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
+            np.save(data, L.generate_greedy(target, load_tokens(runs)[0], n_seqs, budget.seq_len, seed=seed))
+        L.log(f"{name}: {n_seqs} greedy sequences in {time.time() - t0:.0f}s")
+    greedy = np.load(data)
+    tokens, held = load_tokens(runs)
+    init = M.load_drafter(folder, M.spec_from_hf_config(target.config))
+    t0 = time.time()
+    drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill", budget, seed,
+                                     gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init)
+    M.save_drafter(drafter, folder)
+    info["distill"] = {"greedy_sequences": int(len(greedy)), "greedy_every": 2, "steps": state["step"],
+                       "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
+                       "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}
+    (runs / f"verify-{target_name}.json").unlink(missing_ok=True)
+    _mark_done(folder, info)
+    return info

@@ -262,7 +262,7 @@ def test_select_never_syncs_with_the_host(mode: str) -> None:
 
 def test_per_request_keeps_the_same_depth_for_every_request() -> None:
     lc = torch.log(torch.rand(6, 7).clamp_min(1e-3))
-    depths, decision = select(lc, DCutSettings(mode="per_request", per_request_depth=3), None,
+    depths, decision = select(lc, DCutSettings(mode="per_request", per_request_depth=3, count_bonus=False), None,
                               max_depth=torch.tensor([7, 7, 2, 7, 0, 7]))
     assert depths.tolist() == [3, 3, 2, 3, 0, 3]
     assert int(decision.kept) == 14 and int(decision.proposed) == 30
