@@ -14,7 +14,7 @@ from dcut.settings import EngineSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# In-process engine (~5 s start instead of ~30 s), offline hub, small CPU KV cache (DESIGN §7).
+# vLLM on a small CPU box: single-process executor, 1 GiB CPU KV cache, offline hub (DESIGN §7).
 DEFAULT_ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",

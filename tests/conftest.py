@@ -26,7 +26,14 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    for attempt in (1, 2):  # Ray waits a fixed 30 s for its raylet, too short on a saturated box: retry once
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
     serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))})
     yield ray
     serve.shutdown()
