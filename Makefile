@@ -28,7 +28,7 @@ test: lint
 	$(PY) -m pytest -q
 
 serve: $(STAMP)
-	RAY_AUTH_MODE=disabled $(VENV)/bin/serve run app.config.yaml
+	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run app.config.yaml
 
 sweep: $(STAMP)
 	$(VENV)/bin/dcut sweep --out docs/sweep
