@@ -70,8 +70,9 @@ def _distill_line(info: dict) -> str:
     if not dd:
         return ""
     ev = dd.get("eval") or {}
+    cmd = f" (`{dd['command']}`)" if dd.get("command") else ""
     return (
-        f"\nThen fine-tuned on the target's own greedy continuations: {dd['greedy_sequences']} sequences "
+        f"\nThen fine-tuned{cmd} on the target's own greedy continuations: {dd['greedy_sequences']} sequences "
         f"(64-token real-text prompt + greedy tokens), every {dd['greedy_every']}nd batch from them, the others "
         f"real text; {dd['steps']} steps, peak lr {dd['budget']['lr']}, {dd['train_seconds'] / 60:.1f} min; "
         f"held-out (real text + unseen greedy sequences) weighted loss {ev.get('heldout_loss', float('nan')):.3f}, "
@@ -109,6 +110,8 @@ Command: `{command}` (seed {info['seed']}).
 fp32 on {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine,
 {info['train_seconds'] / 60:.1f} min.
 {_loss_line(info)}; held-out loss {ev.get('heldout_loss', float('nan')):.3f} nats/token.
+Quality: heavily undertrained (one CPU thread of a 2-core machine shared with other work, well under one
+epoch); greedy output soon falls into repetition loops, which is also part of why drafts get accepted.
 
 {_acceptance_section(ver)}
 {CALIBRATION_PLACEHOLDER}"""
@@ -155,7 +158,7 @@ def write_cards(out: Path, runs: Path, pair: tuple[str, str], command: str) -> N
     tgt, drf = out / pair[0], out / pair[1]
     if (tgt / ".done").exists():
         info = json.loads((tgt / ".done").read_text())
-        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, command))
+        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, info.get("command") or command))
     if (drf / ".done").exists():
         info = json.loads((drf / ".done").read_text())
-        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, command))
+        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, info.get("command") or command))

@@ -80,6 +80,14 @@ def copy_tokenizer(runs: Path, folder: Path) -> None:
         shutil.copy(runs / "tokenizer" / f, folder / f)
 
 
+def _argv_command() -> str:
+    import shlex
+    import sys
+
+    args = sys.argv[1:]
+    return "dcut " + " ".join(shlex.quote(a) for a in args) if args else ""
+
+
 def stage_target(name: str, spec: M.TargetSpec, out: Path, runs: Path, budget: L.Budget, seed: int) -> dict:
     folder = out / name
     if _done(folder):
@@ -94,7 +102,7 @@ def stage_target(name: str, spec: M.TargetSpec, out: Path, runs: Path, budget: L
     info = {"name": name, "spec": asdict(spec), "params": state["params"], "steps": state["step"],
             "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
             "tokens_seen": state["step"] * budget.batch * budget.seq_len,
-            "budget": asdict(budget), "seed": seed, "threads": torch.get_num_threads(),
+            "budget": asdict(budget), "seed": seed, "threads": torch.get_num_threads(), "command": _argv_command(),
             "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
@@ -125,7 +133,7 @@ def stage_drafter(name: str, target_name: str, dspec: M.DrafterSpec, out: Path, 
     info = {"name": name, "target": target_name, "dspec": asdict(dspec), "params": state["params"],
             "steps": state["step"], "train_seconds": round(state["elapsed"], 1),
             "wall_seconds": round(time.time() - t0, 1), "gamma": gamma, "budget": asdict(budget),
-            "blocks_per_seq": blocks_per_seq, "threads": torch.get_num_threads(),
+            "blocks_per_seq": blocks_per_seq, "threads": torch.get_num_threads(), "command": _argv_command(),
             "seed": seed, "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
@@ -162,7 +170,8 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
     drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill", budget, seed,
                                      gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init)
     M.save_drafter(drafter, folder)
-    info["distill"] = {"greedy_sequences": int(len(greedy)), "greedy_every": 2, "steps": state["step"],
+    info["distill"] = {"greedy_sequences": int(len(greedy)), "greedy_every": 2, "command": _argv_command(),
+                       "steps": state["step"],
                        "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
                        "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}
     (runs / f"verify-{target_name}.json").unlink(missing_ok=True)
