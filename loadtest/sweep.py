@@ -130,6 +130,7 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             "per_position_acceptance": r.get("per_position_acceptance"),
             "selection_us_median": r.get("selection_us_median"), "token_ids_sha256": r["token_ids_sha256"],
             "per_request_depth": r.get("per_request_depth"),
+            "engine_startup_s": r.get("startup_s"), "cost_source": r.get("cost_source"),
         })
     record = {"machine": machine_info(), "engine": base.model_dump(), "k": k, "batch_sizes": batch_sizes,
               "max_tokens": max_tokens, "notes": notes, "results": results}
