@@ -69,11 +69,15 @@ class CostTable:
 
     A batch size not in the table uses the next larger profiled one (its dummy requests cover
     ours); beyond the largest there is no cost. Between points the cost is linear in tokens, and
-    flat outside the profiled range.
+    flat outside the profiled range. Each batch size also carries an ``offset`` learned from live
+    steps (see ``refine``), added to every point of its row.
     """
 
-    def __init__(self, fingerprint: Fingerprint, points: dict[int, Iterable[Sequence[float]]]) -> None:
+    def __init__(self, fingerprint: Fingerprint, points: dict[int, Iterable[Sequence[float]]],
+                 offsets: dict[int, Sequence[float]] | None = None) -> None:
         self.fingerprint = fingerprint
+        self.offsets: dict[int, tuple[float, int]] = {int(b): (float(o[0]), int(o[1]))
+                                                      for b, o in (offsets or {}).items()}
         self.points: dict[int, list[Point]] = {}
         for bs, row in points.items():
             merged: dict[int, Point] = {}
@@ -96,7 +100,11 @@ class CostTable:
         if cover is None:
             return None
         row = self.points[cover]
-        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row]))
+        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row])) + self.offset(cover)
+
+    def offset(self, cover: int) -> float:
+        """The live-step correction of a profiled batch size's row (ms)."""
+        return self.offsets.get(cover, (0.0, 0))[0]
 
     def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
         """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
@@ -112,7 +120,7 @@ class CostTable:
         if dense is None:
             row = self.points[cover]
             grid = np.arange(row[-1][0] + 1)
-            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row])
+            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
         return torch.take(dense, verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
 
@@ -122,28 +130,26 @@ class CostTable:
         for bs, row in self.points.items():
             ms = np.maximum.accumulate([p[1] for p in row])
             points[bs] = [(t, float(m), n) for (t, _, n), m in zip(row, ms, strict=True)]
-        return CostTable(self.fingerprint, points)
+        return CostTable(self.fingerprint, points, self.offsets)
 
     def refine(self, bs: int, verify_tokens: int, ms: float, weight: float = 0.05) -> None:
-        """Fold in one timed live step at the nearest point of the covering batch size.
+        """Fold in one timed live step as a correction of the whole row of the covering batch size.
 
-        The sample is clipped to [0.5x, 2x] of the current value before the moving average, so one
-        noisy step (a GC pause, a prefill sharing the step) cannot wreck the table; neighbours
-        are adjusted so the row stays non-decreasing in tokens.
+        Dummy profiling steps leave out work whose cost does not depend on the verify budget (the
+        drafter's full-width pass, sampling, bookkeeping), so live steps mostly disagree with the
+        table by a constant per batch size: that is what is learned, as a running mean over the
+        first ``1/weight`` samples and a moving average after. The sample is clipped to [0.5x, 2x]
+        of the prediction first, so one noisy step (a GC pause, a prefill sharing the step) cannot
+        wreck the table; a constant shift keeps the row non-decreasing in tokens.
         """
         cover = self.covering(bs)
         if cover is None:
             return
-        row = self.points[cover]
-        i = min(range(len(row)), key=lambda j: abs(row[j][0] - verify_tokens))
-        t, current, n = row[i]
-        sample = min(max(ms, 0.5 * current), 2.0 * current)
-        value = (1.0 - weight) * current + weight * sample
-        row[i] = (t, value, n + 1)
-        for j in range(i):
-            row[j] = (row[j][0], min(row[j][1], value), row[j][2])
-        for j in range(i + 1, len(row)):
-            row[j] = (row[j][0], max(row[j][1], value), row[j][2])
+        predicted = self.lookup(bs, verify_tokens)
+        sample = min(max(ms, 0.5 * predicted), 2.0 * predicted)
+        offset, n = self.offsets.get(cover, (0.0, 0))
+        w = max(weight, 1.0 / (n + 1))
+        self.offsets[cover] = (offset + w * (sample - predicted), n + 1)
         for key in [key for key in self._dense if key[0] == cover]:
             del self._dense[key]
 
@@ -162,21 +168,27 @@ class CostTable:
                 raise ValueError(f"cannot merge tables of different fingerprints: "
                                  f"{_differences(fingerprint, table.fingerprint)}")
         rows: dict[int, list[Point]] = {}
+        corrections: dict[int, list[tuple[float, int]]] = {}
         for table in tables:
             for bs, row in table.points.items():
                 rows.setdefault(bs, []).extend(row)
-        return cls(fingerprint, rows).smoothed()
+            for bs, off in table.offsets.items():
+                corrections.setdefault(bs, []).append(off)
+        offsets = {bs: (sum(o * n for o, n in offs) / max(1, sum(n for _, n in offs)), sum(n for _, n in offs))
+                   for bs, offs in corrections.items()}
+        return cls(fingerprint, rows, offsets).smoothed()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint.model_dump(),
             "points": {str(bs): [list(p) for p in row] for bs, row in sorted(self.points.items())},
+            "offsets": {str(bs): list(o) for bs, o in sorted(self.offsets.items())},
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CostTable:
-        return cls(Fingerprint(**data["fingerprint"]),
-                   {int(bs): row for bs, row in data["points"].items()})
+        return cls(Fingerprint(**data["fingerprint"]), {int(bs): row for bs, row in data["points"].items()},
+                   {int(bs): o for bs, o in data.get("offsets", {}).items()})
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

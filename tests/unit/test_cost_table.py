@@ -49,19 +49,31 @@ def test_smoothed_is_monotone_in_tokens() -> None:
 
 def test_refine_is_bounded_and_keeps_monotone() -> None:
     t = table()
-    before = t.lookup(4, 16)
+    row_before = [t.lookup(4, p[0]) for p in t.points[4]]
+    before = t.lookup(4, 17)
     t.costs(4, torch.tensor([16]))  # fill the cache, refine must invalidate it
-    t.refine(4, 17, 10_000.0, weight=1.0)  # absurd sample: clipped to 2x
-    assert t.lookup(4, 16) == pytest.approx(2 * before)
-    assert t.costs(4, torch.tensor([16])).tolist() == pytest.approx([2 * before])
-    ms = [p[1] for p in t.points[4]]
-    assert ms == sorted(ms)
-    t.refine(4, 16, 0.0, weight=1.0)  # clipped to 0.5x
-    assert t.lookup(4, 16) == pytest.approx(before)
-    assert [p[1] for p in t.points[4]] == sorted(p[1] for p in t.points[4])
-    t.refine(4, 64, 41.0)  # a small EMA step
-    assert t.lookup(4, 64) == pytest.approx(0.95 * 40.0 + 0.05 * 41.0)
+    t.refine(4, 17, 10_000.0)  # absurd first sample: clipped to 2x the prediction
+    assert t.lookup(4, 17) == pytest.approx(2 * before)
+    shift = t.lookup(4, 17) - before
+    row_after = [t.lookup(4, p[0]) for p in t.points[4]]
+    assert row_after == pytest.approx([ms + shift for ms in row_before])  # the whole row moves: still monotone
+    assert t.costs(4, torch.tensor([16])).tolist() == pytest.approx([t.lookup(4, 16)])
+    t.refine(4, 17, 0.0)  # clipped to 0.5x; running mean of two samples
+    assert t.lookup(4, 17) == pytest.approx(before + shift - 0.25 * (before + shift))  # mean of +shift, -half
     t.refine(1000, 64, 41.0)  # nothing covers: ignored
+    assert 1000 not in t.offsets
+
+
+def test_refine_learns_the_constant_a_dummy_profile_leaves_out() -> None:
+    t, truth = table(), table()
+    for step in range(200):
+        tokens = [4, 16, 32, 64][step % 4]
+        t.refine(4, tokens, truth.lookup(4, tokens) + 7.0)
+    assert t.offset(4) == pytest.approx(7.0, abs=0.05)
+    back = CostTable.from_json(t.to_json())
+    assert back.lookup(4, 16) == pytest.approx(t.lookup(4, 16))
+    merged = CostTable.merge([t, truth])
+    assert merged.offset(4) == pytest.approx(7.0, abs=0.05)  # truth has no live samples: no weight
 
 
 def test_merge_weights_by_samples_and_unions_points() -> None:
@@ -78,7 +90,7 @@ def test_merge_weights_by_samples_and_unions_points() -> None:
 def test_json_round_trip(tmp_path: Path) -> None:
     t = table()
     data = json.loads(json.dumps(t.to_json()))
-    assert set(data) == {"fingerprint", "points"} and data["points"]["4"][0] == [4, 10.0, 3]
+    assert set(data) == {"fingerprint", "points", "offsets"} and data["points"]["4"][0] == [4, 10.0, 3]
     back = CostTable.from_json(data)
     assert back.points == t.points and back.fingerprint == t.fingerprint
     path = tmp_path / "tables" / f"{FP.key()}.json"
