@@ -23,7 +23,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per-request-depth", type=int, default=4, help="drafts per request of --mode per_request")
     parser.add_argument("--count-bonus", action=argparse.BooleanOptionalAction, default=True,
                         help="count bonus tokens in U's numerator (--no-count-bonus: the reference's U)")
-    parser.add_argument("--calibrate", action="store_true", help="calibrate confidences online")
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                        help="calibrate confidences online against observed acceptance (--no-calibrate: raw)")
     parser.add_argument("--cost-table", help="cost table JSON to use instead of profiling")
     parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
 
