@@ -242,14 +242,16 @@ def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -
 
     ``GPUModelRunner._dummy_run`` spreads tokens over ``min(tokens, max_num_seqs)`` requests, so
     max_num_seqs is set to ``bs`` for the call; logits are computed for every verify token, as a
-    real verify step does.
+    real verify step does. Inputs are random, not zeros: with zeros every token of an MoE target
+    routes to the same experts and the step is unrealistically cheap.
     """
     sched = runner.scheduler_config
     saved = sched.max_num_seqs
     sched.max_num_seqs = bs
     try:
         context = state.settings.profile_context_len + verify_tokens // bs + 1
-        hidden, _ = runner._dummy_run(verify_tokens, force_attention=True, profile_seq_lens=context)
+        hidden, _ = runner._dummy_run(verify_tokens, force_attention=True, profile_seq_lens=context,
+                                      randomize_inputs=True)
         runner.model.compute_logits(hidden[:verify_tokens])
         runner._sync_device()
     finally:
