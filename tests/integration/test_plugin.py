@@ -87,7 +87,10 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
         # were counted as rejected, vLLM's acceptance would fall with the keep ratio.
         for mode in ("fixed", "auto", "continuous"):
             res = results[mode]
-            assert res["drafted"] and res["accepted"] / res["drafted"] > 0.95, (mode, res["drafted"], res["accepted"])
+            if mode != "continuous":  # continuous may verify no drafts at all when they do not pay
+                assert res["drafted"], mode
+            if res["drafted"]:
+                assert res["accepted"] / res["drafted"] > 0.95, (mode, res["drafted"], res["accepted"])
         assert results["fixed"]["drafted"] < results["full"]["drafted"]
 
 
