@@ -193,7 +193,7 @@ class CostTable:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.tmp")  # per process: TP ranks save at once
         tmp.write_text(json.dumps(self.to_json(), indent=1))
         tmp.replace(path)  # atomic: a replica never reads a half-written table
 
