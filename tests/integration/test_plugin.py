@@ -87,7 +87,7 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
         # were counted as rejected, vLLM's acceptance would fall with the keep ratio.
         for mode in ("fixed", "auto", "continuous"):
             res = results[mode]
-            if mode != "continuous":  # continuous may verify no drafts at all when they do not pay
+            if mode == "fixed":  # auto (at K=3 its 25% bucket is zero drafts) and continuous may verify none
                 assert res["drafted"], mode
             if res["drafted"]:
                 assert res["accepted"] / res["drafted"] > 0.95, (mode, res["drafted"], res["accepted"])
