@@ -42,10 +42,6 @@ def parse_schedule(text: str) -> list[tuple[int, int, int]]:
         raise argparse.ArgumentTypeError(f"expected 'lo-hi:K,...', got {text!r}") from e
 
 
-def schedule_text(schedule: list[tuple[int, int, int]]) -> str:
-    return ",".join(f"{lo}-{hi}:{k}" for lo, hi, k in schedule)
-
-
 def engine_environment(tensor_parallel_size: int) -> None:
     """Defaults for engines started from the command line (the user's environment wins):
     nothing from a model hub; engine logs on stderr; on CPU a 2 GiB KV cache (vLLM's CPU default reserves ~92% of RAM,
