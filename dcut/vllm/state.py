@@ -197,21 +197,24 @@ class RunnerDCut:
                     per_pos_acc[t] += t < a
             if self.calibrator is not None:
                 self._update_calibration(verified)
-        decision = pending.decision.to_dict() if pending is not None else {}
+        # Only the counts: Decision.to_dict would also copy every candidate's U to the host each step.
+        decision = pending.decision if pending is not None else None
+        proposed = int(decision.proposed) if decision is not None else 0
+        kept = int(decision.kept) if decision is not None else 0
         bs = len(verified.req_ids) if verified is not None else 0
         record = StepRecord(
             timestamp=time.time(),
             batch_size=bs,
-            proposed=int(decision.get("proposed") or 0),
-            kept=int(decision.get("kept") or 0),
+            proposed=proposed,
+            kept=kept,
             accepted=accepted_total,
             accepted_per_position=per_pos_acc,
             kept_per_position=per_pos_kept,
-            ratio=_ratio(decision),
-            budget=int(decision.get("budget") or 0),
+            ratio=kept / proposed if proposed else 1.0,
+            budget=int(decision.budget) if decision is not None else 0,
             step_ms=step_ms,
             selection_us=pending.selection_us if pending is not None else 0.0,
-            fallback=bool(decision.get("fallback", False)),
+            fallback=decision is not None and decision.fallback,
         )
         self.window.add(record)
         metrics.observe(record, self.fingerprint.model)
@@ -271,6 +274,3 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _ratio(decision: dict[str, Any]) -> float:
-    proposed = decision.get("proposed") or 0
-    return float(decision.get("kept") or 0) / proposed if proposed else 1.0
