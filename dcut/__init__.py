@@ -3,4 +3,4 @@
 The package root imports neither vLLM nor Ray: the math can be read, tested and reused alone.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

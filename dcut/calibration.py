@@ -36,6 +36,8 @@ class Calibrator:
         self.cal_count = torch.zeros(k, bins, dtype=torch.float64)
         self.cal_accepted = torch.zeros(k, bins, dtype=torch.float64)
         self.cal_sum = torch.zeros(k, bins, dtype=torch.float64)
+        self._luts: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._cell_base: dict[tuple[int, torch.device], Tensor] = {}
 
     def update(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
         """Count one step's outcomes.
@@ -58,17 +60,23 @@ class Calibrator:
         calibrated = self._calibrated_prob(log_conf)  # before counting this step
         self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
         self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
+        self._luts.clear()
 
     def calibrate(self, log_conf: Tensor) -> Tensor:
         """Log of the calibrated acceptance probability, same shape and device as ``log_conf``.
 
+        Runs on ``log_conf``'s device without a host round trip: the smoothed bin rates are a
+        lookup table rebuilt (once per update, off the decide path) as ``cal = a[cell] + b[cell] * raw``.
         Positions beyond the calibrator's ``k`` pass through unchanged.
         """
-        out = log_conf.float().clone()
         k = min(self.k, log_conf.shape[-1])
-        cal = self._calibrated_prob(log_conf[..., :k].detach().to("cpu", torch.float64))
-        out[..., :k] = cal.log().to(out.device, out.dtype)
-        return out
+        a, b = self._lut(log_conf.device)
+        raw = _prob(log_conf[..., :k].float())
+        cell = self._cells(k, log_conf.device) + self._bin(raw)
+        calibrated = (torch.take(a, cell) + torch.take(b, cell) * raw).log()
+        if k == log_conf.shape[-1]:
+            return calibrated
+        return torch.cat([calibrated, log_conf[..., k:].float()], dim=-1)
 
     def reliability(self) -> dict[str, Any]:
         """Per-position expected calibration error of raw and of calibrated confidence.
@@ -83,25 +91,26 @@ class Calibrator:
             "acceptance_rate": _safe_div(self.accepted.sum(1), self.count.sum(1)),
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able state (a replica can hand it to a new one)."""
-        return {
-            "k": self.k, "bins": self.bins, "prior": self.prior, "min_count": self.min_count,
-            "count": self.count.tolist(), "accepted": self.accepted.tolist(),
-            "raw_sum": self.raw_sum.tolist(), "cal_count": self.cal_count.tolist(),
-            "cal_accepted": self.cal_accepted.tolist(), "cal_sum": self.cal_sum.tolist(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["k"], state["bins"]) != (self.k, self.bins):
-            raise ValueError(f"calibrator state is for k={state['k']}, bins={state['bins']}; "
-                             f"this one has k={self.k}, bins={self.bins}")
-        self.prior, self.min_count = float(state["prior"]), int(state["min_count"])
-        for name in ("count", "accepted", "raw_sum", "cal_count", "cal_accepted", "cal_sum"):
-            setattr(self, name, torch.tensor(state[name], dtype=torch.float64))
-
     def _bin(self, prob: Tensor) -> Tensor:
         return (prob * self.bins).long().clamp_(0, self.bins - 1)
+
+    def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(a, b)`` per (position, bin), flattened: thin bins pass raw through (a=0, b=1)."""
+        found = self._luts.get(device)
+        if found is None:
+            n = self.count.reshape(-1)
+            denom = (n + self.prior).clamp_min(1e-12)
+            used = n >= max(self.min_count, 1)
+            a = torch.where(used, self.accepted.reshape(-1) / denom, 0.0)
+            b = torch.where(used, self.prior / denom, 1.0)
+            found = self._luts[device] = (a.to(device, torch.float32), b.to(device, torch.float32))
+        return found
+
+    def _cells(self, k: int, device: torch.device) -> Tensor:
+        key = (k, device)
+        if key not in self._cell_base:
+            self._cell_base[key] = torch.arange(k, device=device) * self.bins
+        return self._cell_base[key]
 
     def _calibrated_prob(self, log_conf: Tensor) -> Tensor:
         """Beta-smoothed bin acceptance rate, centred on the raw probability; raw for thin bins."""

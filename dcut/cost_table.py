@@ -65,19 +65,32 @@ Point = tuple[int, float, int]  # (verify tokens, ms, samples)
 
 
 class CostTable:
-    """Per profiled batch size, sorted points ``verify_tokens -> ms`` with sample counts.
+    """Two measured costs per profiled batch size: verification and drafting.
+
+    ``points``: sorted ``verify_tokens -> ms`` with sample counts, the target's step (forward,
+    sampling, rejection) without any drafter work. ``draft``: ``width -> ms`` with sample counts,
+    the drafter's pass at each drafted width (0: what keeping the drafter in sync costs).
 
     A batch size not in the table uses the next larger profiled one (its dummy requests cover
-    ours); beyond the largest there is no cost. Between points the cost is linear in tokens, and
-    flat outside the profiled range. Each batch size also carries an ``offset`` learned from live
-    steps (see ``refine``), added to every point of its row.
+    ours); beyond the largest there is no cost. Between points the cost is linear in tokens (or
+    width), and flat outside the profiled range. Each batch size also carries a verify ``offset``
+    learned from live steps (see ``refine``), added to every point of its row; draft cells are
+    refined in place (``refine_draft``).
     """
 
     def __init__(self, fingerprint: Fingerprint, points: dict[int, Iterable[Sequence[float]]],
-                 offsets: dict[int, Sequence[float]] | None = None) -> None:
+                 offsets: dict[int, Sequence[float]] | None = None,
+                 draft: dict[int, dict[int, Sequence[float]]] | None = None,
+                 plain_offsets: dict[int, Sequence[float]] | None = None) -> None:
         self.fingerprint = fingerprint
         self.offsets: dict[int, tuple[float, int]] = {int(b): (float(o[0]), int(o[1]))
                                                       for b, o in (offsets or {}).items()}
+        # Steps that verify no drafts run the engine's plain path (no rejection sampler): their
+        # correction is learned apart from that of steps verifying drafts.
+        self.plain_offsets: dict[int, tuple[float, int]] = {int(b): (float(o[0]), int(o[1]))
+                                                            for b, o in (plain_offsets or {}).items()}
+        self.draft: dict[int, dict[int, tuple[float, int]]] = {
+            int(b): {int(w): (float(c[0]), int(c[1])) for w, c in row.items()} for b, row in (draft or {}).items()}
         self.points: dict[int, list[Point]] = {}
         for bs, row in points.items():
             merged: dict[int, Point] = {}
@@ -100,11 +113,14 @@ class CostTable:
         if cover is None:
             return None
         row = self.points[cover]
-        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row])) + self.offset(cover)
+        plain = verify_tokens <= bs
+        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row])) + self.offset(cover, plain)
 
-    def offset(self, cover: int) -> float:
-        """The live-step correction of a profiled batch size's row (ms)."""
-        return self.offsets.get(cover, (0.0, 0))[0]
+    def offset(self, cover: int, plain: bool = False) -> float:
+        """The live-step correction of a profiled batch size's row (ms): of steps verifying
+        drafts, or of plain steps (0 until one was seen: the optimistic prior lets a plain step
+        be tried, and the try measures it)."""
+        return (self.plain_offsets if plain else self.offsets).get(cover, (0.0, 0))[0]
 
     def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
         """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
@@ -122,7 +138,51 @@ class CostTable:
             grid = np.arange(row[-1][0] + 1)
             values = np.interp(grid, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        return torch.take(dense, verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
+        costs = torch.take(dense, verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
+        delta = self.offset(cover, plain=True) - self.offset(cover)
+        return costs + (verify_tokens <= bs) * delta if delta else costs
+
+    def lookup_many(self, bs: int, verify_tokens: np.ndarray) -> np.ndarray | None:
+        """``lookup`` for many token counts at once (host side)."""
+        cover = self.covering(bs)
+        if cover is None:
+            return None
+        row = self.points[cover]
+        costs = np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
+        return costs + (np.asarray(verify_tokens) <= bs) * (self.offset(cover, plain=True) - self.offset(cover))
+
+    def draft_cost(self, bs: int, width: int) -> float | None:
+        """The drafter's cost in ms at ``width`` for ``bs`` requests; None when not profiled."""
+        costs = self.draft_costs(bs, np.asarray([width]))
+        return None if costs is None else float(costs[0])
+
+    def draft_costs(self, bs: int, widths: np.ndarray) -> np.ndarray | None:
+        """``draft_cost`` for many widths at once, linear between measured widths."""
+        cover = self.covering(bs)
+        row = self.draft.get(cover) if cover is not None else None
+        if not row:
+            return None
+        measured = sorted(row)
+        return np.interp(widths, measured, [row[w][0] for w in measured])
+
+    def refine_draft(self, bs: int, width: int, ms: float, weight: float = 0.05) -> None:
+        """Fold one timed drafter pass into its (covering batch size, width) cell.
+
+        The profiled value counts as one sample; then a running mean, then a moving average, with
+        the sample clipped to [0.5x, 2x] of the cell (a GC pause must not wreck it). A width that
+        was never profiled gets its own cell from its first live sample.
+        """
+        cover = self.covering(bs)
+        if cover is None:
+            return
+        row = self.draft.setdefault(cover, {})
+        if width not in row:
+            row[width] = (ms, 1)
+            return
+        value, n = row[width]
+        sample = min(max(ms, 0.5 * value), 2.0 * value)
+        w = max(weight, 1.0 / (n + 1))
+        row[width] = (value + w * (sample - value), n + 1)
 
     def smoothed(self) -> CostTable:
         """A copy whose cost never decreases with more tokens (cummax per batch size)."""
@@ -130,26 +190,29 @@ class CostTable:
         for bs, row in self.points.items():
             ms = np.maximum.accumulate([p[1] for p in row])
             points[bs] = [(t, float(m), n) for (t, _, n), m in zip(row, ms, strict=True)]
-        return CostTable(self.fingerprint, points, self.offsets)
+        return CostTable(self.fingerprint, points, self.offsets, self.draft, self.plain_offsets)
 
     def refine(self, bs: int, verify_tokens: int, ms: float, weight: float = 0.05) -> None:
         """Fold in one timed live step as a correction of the whole row of the covering batch size.
 
-        Dummy profiling steps leave out work whose cost does not depend on the verify budget (the
-        drafter's full-width pass, sampling, bookkeeping), so live steps mostly disagree with the
+        Dummy profiling steps leave out work whose cost does not depend on the verify budget
+        (sampling, rejection, input preparation), so live steps mostly disagree with the
         table by a constant per batch size: that is what is learned, as a running mean over the
         first ``1/weight`` samples and a moving average after. The sample is clipped to [0.5x, 2x]
         of the prediction first, so one noisy step (a GC pause, a prefill sharing the step) cannot
-        wreck the table; a constant shift keeps the row non-decreasing in tokens.
+        wreck the table; a constant shift keeps the row non-decreasing in tokens. A step verifying
+        no drafts (``verify_tokens <= bs``) refines the plain-step correction instead.
         """
         cover = self.covering(bs)
         if cover is None:
             return
+        plain = verify_tokens <= bs
         predicted = self.lookup(bs, verify_tokens)
         sample = min(max(ms, 0.5 * predicted), 2.0 * predicted)
-        offset, n = self.offsets.get(cover, (0.0, 0))
+        offsets = self.plain_offsets if plain else self.offsets
+        offset, n = offsets.get(cover, (0.0, 0))
         w = max(weight, 1.0 / (n + 1))
-        self.offsets[cover] = (offset + w * (sample - predicted), n + 1)
+        offsets[cover] = (offset + w * (sample - predicted), n + 1)
         for key in [key for key in self._dense if key[0] == cover]:
             del self._dense[key]
 
@@ -169,26 +232,39 @@ class CostTable:
                                  f"{_differences(fingerprint, table.fingerprint)}")
         rows: dict[int, list[Point]] = {}
         corrections: dict[int, list[tuple[float, int]]] = {}
+        plain_corrections: dict[int, list[tuple[float, int]]] = {}
+        drafts: dict[int, dict[int, list[tuple[float, int]]]] = {}
         for table in tables:
             for bs, row in table.points.items():
                 rows.setdefault(bs, []).extend(row)
             for bs, off in table.offsets.items():
                 corrections.setdefault(bs, []).append(off)
-        offsets = {bs: (sum(o * n for o, n in offs) / max(1, sum(n for _, n in offs)), sum(n for _, n in offs))
-                   for bs, offs in corrections.items()}
-        return cls(fingerprint, rows, offsets).smoothed()
+            for bs, off in table.plain_offsets.items():
+                plain_corrections.setdefault(bs, []).append(off)
+            for bs, cells in table.draft.items():
+                for width, cell in cells.items():
+                    drafts.setdefault(bs, {}).setdefault(width, []).append(cell)
+        offsets = {bs: _weighted(offs) for bs, offs in corrections.items()}
+        draft = {bs: {w: _weighted(cells) for w, cells in row.items()} for bs, row in drafts.items()}
+        plain = {bs: _weighted(offs) for bs, offs in plain_corrections.items()}
+        return cls(fingerprint, rows, offsets, draft, plain).smoothed()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint.model_dump(),
             "points": {str(bs): [list(p) for p in row] for bs, row in sorted(self.points.items())},
             "offsets": {str(bs): list(o) for bs, o in sorted(self.offsets.items())},
+            "plain_offsets": {str(bs): list(o) for bs, o in sorted(self.plain_offsets.items())},
+            "draft": {str(bs): {str(w): list(c) for w, c in sorted(row.items())}
+                      for bs, row in sorted(self.draft.items())},
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CostTable:
         return cls(Fingerprint(**data["fingerprint"]), {int(bs): row for bs, row in data["points"].items()},
-                   {int(bs): o for bs, o in data.get("offsets", {}).items()})
+                   {int(bs): o for bs, o in data.get("offsets", {}).items()},
+                   {int(bs): {int(w): c for w, c in row.items()} for bs, row in data.get("draft", {}).items()},
+                   {int(bs): o for bs, o in data.get("plain_offsets", {}).items()})
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -211,6 +287,21 @@ class CostTable:
         return table
 
 
+class StepCost:
+    """A whole step's cost, as the verify-budget choice needs it (``dcut.selection.CostLookup``):
+    verifying ``tokens`` plus the drafter's pass at ``width`` (already paid, but part of the step
+    the tokens are spread over) plus the engine's per-step overhead."""
+
+    def __init__(self, table: CostTable, width: int, overhead_ms: float = 0.0) -> None:
+        self.table, self.width, self.overhead_ms = table, width, overhead_ms
+
+    def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
+        verify = self.table.costs(bs, verify_tokens)
+        if verify is None:
+            return None
+        return verify + ((self.table.draft_cost(bs, self.width) or 0.0) + self.overhead_ms)
+
+
 def profile_token_points(bs: int, k: int, ratios: Sequence[float] = PROFILE_RATIOS) -> list[int]:
     """The verify-token counts profiled for one batch size: ``bs + bucket_budget(ratio)``."""
     return sorted({bs + bucket_budget(r, bs, k) for r in ratios})
@@ -226,23 +317,40 @@ def profile_cost_table(
     ratios: Sequence[float] = PROFILE_RATIOS,
     timer: Callable[[], float] = time.perf_counter,
     progress: bool = True,
+    run_draft: Callable[[int, int], None] | None = None,
+    widths: Sequence[int] = (),
 ) -> CostTable:
-    """Time ``run_step(bs, verify_tokens)`` at each bucket's shape; median of the repeats, smoothed.
+    """Time ``run_step(bs, verify_tokens)`` at each bucket's shape, and ``run_draft(bs, width)`` at
+    each width; median of the repeats, verify rows smoothed.
 
-    ``run_step`` must block until the step is done (synchronise the device) so the timing is real.
+    Both callables must block until the work is done (synchronise the device) so the timing is real.
     """
-    shapes = [(bs, t) for bs in batch_sizes for t in profile_token_points(bs, k, ratios)]
+    shapes = [("verify", bs, t) for bs in batch_sizes for t in profile_token_points(bs, k, ratios)]
+    if run_draft is not None:
+        shapes += [("draft", bs, w) for bs in batch_sizes for w in widths]
     points: dict[int, list[Point]] = {}
-    for bs, tokens in tqdm(shapes, desc="dcut profile", unit="shape", disable=not progress):
+    draft: dict[int, dict[int, tuple[float, int]]] = {}
+    for kind, bs, n in tqdm(shapes, desc="dcut profile", unit="shape", disable=not progress):
+        run = run_step if kind == "verify" else run_draft
+        assert run is not None
         for _ in range(warmups):
-            run_step(bs, tokens)
+            run(bs, n)
         times = []
         for _ in range(repeats):
             start = timer()
-            run_step(bs, tokens)
+            run(bs, n)
             times.append((timer() - start) * 1000.0)
-        points.setdefault(bs, []).append((tokens, statistics.median(times), repeats))
-    return CostTable(fingerprint, points).smoothed()
+        if kind == "verify":
+            points.setdefault(bs, []).append((n, statistics.median(times), repeats))
+        else:
+            draft.setdefault(bs, {})[n] = (statistics.median(times), 1)
+    return CostTable(fingerprint, points, draft=draft).smoothed()
+
+
+def _weighted(cells: Sequence[tuple[float, int]]) -> tuple[float, int]:
+    """Sample-count-weighted mean of (value, samples) cells, and the total sample count."""
+    total = sum(n for _, n in cells)
+    return (sum(v * n for v, n in cells) / max(1, total), total)
 
 
 def _combine(a: Point, b: Point) -> Point:

@@ -199,7 +199,7 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
     if settings.mode == "auto":
         candidates = torch.minimum(_auto_budgets(bs, k, device), available)
         step_ms = None if cost is None else cost.costs(bs, candidates + bs)
-    else:  # continuous: every budget bs*K..0 on the cost staircase
+    else:  # continuous and joint: every budget bs*K..0 on the cost staircase
         candidates = _budgets_down(bs * k, 0, device)
         step_ms = None if cost is None else cost.costs(bs, _budgets_down(bs * (k + 1), bs, device))
     if step_ms is None:
@@ -207,7 +207,7 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
                       gains, bonus)
 
     utilities = _plus(torch.take(gains, candidates), bonus) / step_ms
-    if settings.mode == "continuous":
+    if settings.mode != "auto":
         utilities.masked_fill_(candidates > available, -math.inf)
     chosen = torch.argmax(utilities)
     budget = torch.take(candidates, chosen)  # take: indexing by a 0-dim tensor would sync

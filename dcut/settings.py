@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Mode = Literal["off", "fixed", "auto", "continuous", "per_request"]
+Mode = Literal["off", "fixed", "auto", "continuous", "per_request", "joint"]
+ZeroWidth = Literal["catch_up", "vllm"]
 
 
 class DCutSettings(BaseModel):
@@ -19,7 +20,8 @@ class DCutSettings(BaseModel):
 
     mode: Mode = Field("auto", description="off: keep all; fixed: a global keep ratio; auto: the four "
                        "reference buckets; continuous: any budget on the measured cost staircase; "
-                       "per_request: the same number of drafts for every request (a baseline).")
+                       "per_request: the same number of drafts for every request (a baseline); "
+                       "joint: choose the drafted width each step, then the verify budget (dcut.width).")
     fixed_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Keep ratio used by mode=fixed.")
     per_request_depth: int = Field(4, ge=0, description="Drafts kept per request by mode=per_request.")
     count_bonus: bool = Field(True, description="Count the bs bonus tokens in U's numerator: U is then "
@@ -34,6 +36,18 @@ class DCutSettings(BaseModel):
     calibrate: bool = Field(True, description="Map raw confidence to observed acceptance per position, "
                             "learned online from verification (raw DFlash confidences are badly "
                             "under-confident past position 1 on the embedded models: ECE 0.4-0.6).")
+    # Width control (mode=joint)
+    widths: list[int] | None = Field(None, description="Drafted widths mode=joint may choose "
+                                     "(default 0,1,2,3,5,7,11,15, capped at K; 0 and K always included).")
+    width_hysteresis: float = Field(0.05, ge=0.0, description="Keep the current width unless another is "
+                                    "estimated this much faster.")
+    probe_share: float = Field(0.02, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
+                               "(another width, verified in full) so acceptance stays known where D-Cut "
+                               "does not draft or verify.")
+    zero_width: ZeroWidth = Field("catch_up", description="How a width-0 step keeps the drafter in sync. "
+                                  "catch_up (DFlash): keep the step's target hidden states and write the "
+                                  "drafter's context K/V for them in one batch before the next drafting pass; "
+                                  "vllm: vLLM's own K=0 path (the drafter's first pass every step).")
     # Cost table
     cost_table: str | None = Field(None, description="Path of a cost table JSON to use instead of profiling.")
     cache_dir: str | None = Field(None, description="Where profiled tables are cached by fingerprint "
@@ -51,6 +65,8 @@ class DCutSettings(BaseModel):
     def _sizes_positive(self) -> DCutSettings:
         if self.profile_batch_sizes is not None and any(b < 1 for b in self.profile_batch_sizes):
             raise ValueError("profile_batch_sizes must all be >= 1")
+        if self.widths is not None and any(w < 0 for w in self.widths):
+            raise ValueError("widths must all be >= 0")
         return self
 
 
@@ -78,7 +94,7 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = Field(1024, ge=16)
     max_num_batched_tokens: int | None = Field(None, ge=16)
-    enforce_eager: bool = True
+    enforce_eager: bool = Field(False, description="vLLM's default: compiled. True runs eagerly (faster start).")
     seed: int = 0
     served_model_name: str | None = None
     dcut: DCutSettings | None = Field(default_factory=DCutSettings,

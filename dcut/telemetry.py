@@ -12,7 +12,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,14 +36,11 @@ class StepRecord:
     step_ms: float | None = None
     selection_us: float | None = None
     fallback: bool = False
+    width: int | None = None  # positions drafted per request this step (None: the engine's K)
+    probe: bool = False  # a probe step (mode joint): another width, verified in full
+    verify_ms: float | None = None  # target forward + sampling/rejection (execute_model -> drafter)
+    draft_ms: float | None = None  # the drafter's pass (or keeping it in sync at width 0)
     timestamp: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepRecord:
-        return cls(**data)
 
 
 class StepWindow:
@@ -104,6 +101,15 @@ class StepWindow:
                 sums.setdefault(r.batch_size, []).append(r.step_ms)
         return {bs: sum(v) / len(v) for bs, v in sorted(sums.items())}
 
+    def width_histogram(self) -> dict[int, int]:
+        """Steps per drafted width."""
+        return dict(sorted(Counter(r.width for r in self.records if r.width is not None).items()))
+
+    def mean_ms(self, name: str) -> float | None:
+        """Mean of a timed part of the step (``verify_ms``, ``draft_ms``, ``step_ms``) over the window."""
+        values = [v for r in self.records if (v := getattr(r, name)) is not None]
+        return sum(values) / len(values) if values else None
+
     def summary(self) -> dict[str, Any]:
         """Everything above as one JSON-able dict (string keys)."""
         return {
@@ -116,6 +122,10 @@ class StepWindow:
             "batch_size_histogram": {str(b): n for b, n in self.batch_size_histogram().items()},
             "mean_step_ms": {str(b): ms for b, ms in self.mean_step_ms().items()},
             "fallback_steps": sum(r.fallback for r in self.records),
+            "width_histogram": {str(w): n for w, n in self.width_histogram().items()},
+            "probe_steps": sum(r.probe for r in self.records),
+            "mean_verify_ms": self.mean_ms("verify_ms"),
+            "mean_draft_ms": self.mean_ms("draft_ms"),
         }
 
     def _keep_ratios(self) -> list[float]:

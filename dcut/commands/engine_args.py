@@ -27,6 +27,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="calibrate confidences online against observed acceptance (--no-calibrate: raw)")
     parser.add_argument("--cost-table", help="cost table JSON to use instead of profiling")
     parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
+    parser.add_argument("--zero-width", choices=["catch_up", "vllm"], default="catch_up",
+                        help="--mode joint: how a width-0 step keeps the drafter in sync")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run eagerly (vLLM's default, used otherwise, compiles: slower start, faster steps)")
 
 
 def parse_schedule(text: str) -> list[tuple[int, int, int]]:
@@ -58,8 +62,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     engine_environment(args.tp)
     dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
                         count_bonus=args.count_bonus, calibrate=args.calibrate,
-                        cost_table=args.cost_table, cache_dir=args.cache_dir)
+                        cost_table=args.cost_table, cache_dir=args.cache_dir, zero_width=args.zero_width)
     return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                           spec_schedule=args.spec_schedule, tensor_parallel_size=args.tp, dtype=args.dtype,
-                          max_model_len=args.max_model_len,
+                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                           dcut=dcut)

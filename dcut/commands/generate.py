@@ -8,9 +8,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dcut.bench.generate import DEFAULT_PROMPTS, GENERATE_MODES, generate, load_prompts, settings_for_mode
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
-from dcut.vllm.offline import DEFAULT_PROMPTS, GENERATE_MODES, generate, load_prompts, settings_for_mode
 
 HELP = "Generate offline with vLLM (modes none/full/fixed/auto/continuous) and report the figures."
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dcut.bench.generate import DEFAULT_PROMPTS, load_prompts
+from dcut.bench.sweep import REPEATS, SWEEP_MODES, SweepError, sweep
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
-from dcut.vllm.offline import DEFAULT_PROMPTS, load_prompts
 
-SWEEP_MODES = ("none", "full", "dynamic", "fixed-per-request", "auto", "continuous")
-
-HELP = "Batch-size sweep of none/full/dynamic/fixed-per-request/auto/continuous; table, JSON and plots."
+HELP = "Batch-size sweep of none/full/dynamic/fixed-per-request/auto/continuous/joint; table, JSON and plots."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,13 +20,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
     parser.add_argument("--modes", default=",".join(SWEEP_MODES))
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per cell (median and spread)")
     parser.add_argument("--out", default="docs/sweep")
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.sweep import SweepError, sweep
-
     try:
         sizes = sorted({int(b) for b in args.bs.split(",") if b.strip()})
     except ValueError as e:
@@ -36,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(modes) - set(SWEEP_MODES))
     if unknown or not modes:
         raise CommandError(f"unknown modes {unknown}; choose from {', '.join(SWEEP_MODES)}")
+    if args.repeats < 1:
+        raise CommandError("--repeats must be >= 1")
     if not sizes or sizes[0] < 1:
         raise CommandError("--bs must be positive integers")
     for path in (args.model, args.draft):
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, ValidationError) as e:
         raise CommandError(str(e)) from e
     try:
-        record = sweep(base, sizes, modes, prompts, args.max_tokens, Path(args.out))
+        record = sweep(base, sizes, modes, prompts, args.max_tokens, Path(args.out), repeats=args.repeats)
     except SweepError as e:
         raise CommandError(f"an engine failed: {e}") from e
     print((Path(args.out) / "sweep.md").read_text())

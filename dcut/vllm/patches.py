@@ -11,8 +11,13 @@ Wrapped functions:
   live with (async scheduling, full CUDA graphs, the V2 model runner), one log line each.
 - ``SpecDecodeBaseProposer.propose`` / ``._sample_draft_tokens`` — keep the drafter's
   log-probability of each token it drafts (its confidence) from the logits it computes anyway.
-- ``GPUModelRunner.execute_model`` — start the step clock, note the step's shape.
-- ``GPUModelRunner.propose_draft_token_ids`` — decide keep depths right after drafting.
+- ``GPUModelRunner.execute_model`` — start the step clock, note the step's shape; write out the
+  width-0 context stash before a finished or preempted request's KV blocks can change hands.
+- ``GPUModelRunner._prepare_inputs`` — (mode ``joint``) a step with no drafts to verify is built
+  as a plain decode step: no speculative metadata, no rejection sampler over zero drafts.
+- ``GPUModelRunner.propose_draft_token_ids`` — choose the drafted width (mode ``joint``) and
+  time the drafter; at width 0 keep the drafter in sync (``dcut.vllm.catch_up``); decide keep
+  depths right after drafting.
 - ``GPUModelRunner.take_draft_token_ids`` — cut the drafts before the scheduler takes them.
 - ``Worker.compile_or_warm_up_model`` / ``CPUWorker.compile_or_warm_up_model`` — load, or
   profile with the engine's own dummy steps, the cost table once the KV cache exists.
@@ -20,6 +25,7 @@ Wrapped functions:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +34,9 @@ from typing import Any
 
 import torch
 
+from dcut.vllm.catch_up import MAX_STASHED_TOKENS, ContextStash
 from dcut.vllm.state import RunnerDCut, fingerprint_for, settings_from_config
+from dcut.width import widths_for
 
 logger = logging.getLogger("vllm.dcut")
 
@@ -55,6 +63,7 @@ def install() -> None:
         _wrap(SpecDecodeBaseProposer, "propose", _proposer_propose)
         _wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", _proposer_sample_draft_tokens)
         _wrap(GPUModelRunner, "execute_model", _runner_execute_model)
+        _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs)
         _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
         _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids)
         _wrap(Worker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
@@ -180,6 +189,9 @@ def _runner_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         state = runner_dcut(self)
         if state is not None:
+            stash = self.__dict__.get("_dcut_stash")
+            if stash and (scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
+                stash.flush(self.drafter.model)  # their blocks may be handed to new requests now
             state.begin_step(scheduler_output.num_scheduled_tokens,
                              scheduler_output.scheduled_spec_decode_tokens)
         return original(self, scheduler_output, *args, **kwargs)
@@ -189,17 +201,79 @@ def _runner_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
 def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., Any]:
     def propose_draft_token_ids(self: Any, scheduler_output: Any, sampled_token_ids: Any,
                                 sampling_metadata: Any, hidden_states: Any, sample_hidden_states: Any,
-                                aux_hidden_states: Any, spec_decode_metadata: Any, *args: Any,
-                                **kwargs: Any) -> Any:
-        drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                          sample_hidden_states, aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+                                aux_hidden_states: Any, spec_decode_metadata: Any, common_attn_metadata: Any,
+                                *args: Any, **kwargs: Any) -> Any:
         state = runner_dcut(self)
-        if state is not None:
-            log_conf = getattr(self.drafter, "dcut_log_conf", None) if torch.is_tensor(drafts) else None
-            num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
-            state.on_drafted(list(self.input_batch.req_ids), log_conf, sampled_token_ids, num_draft)
+        if state is None:
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                            sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                            *args, **kwargs)
+        req_ids = list(self.input_batch.req_ids)
+        width = _agreed(self, state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule))
+        state.width = width
+        stash = _stash(self, state)
+        if width == 0 and stash is not None and not _verified_any(spec_decode_metadata):
+            # Nothing was verified this step: the drafter's context is exactly the scheduled tokens.
+            n = scheduler_output.total_num_scheduled_tokens
+            context = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if self.use_aux_hidden_state_outputs
+                       else hidden_states[:n])
+            stash.add(context, self._get_positions(n), common_attn_metadata.slot_mapping[:n])
+            if len(stash) > MAX_STASHED_TOKENS:
+                stash.flush(self.drafter.model)
+            drafts = torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
+        else:
+            if stash:
+                stash.flush(self.drafter.model)  # before the drafter reads its cache
+            if width != scheduler_output.num_spec_tokens_to_schedule:
+                scheduler_output = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=width)
+            drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                              sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                              *args, **kwargs)
+        log_conf = getattr(self.drafter, "dcut_log_conf", None) if torch.is_tensor(drafts) and width else None
+        num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
+        state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft)
         return drafts
     return propose_draft_token_ids
+
+
+def _verified_any(spec_decode_metadata: Any) -> bool:
+    return spec_decode_metadata is not None and any(spec_decode_metadata.num_draft_tokens)
+
+
+def _runner_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _prepare_inputs(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        state = runner_dcut(self)
+        if state is None or not state.joint or any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            return original(self, scheduler_output, *args, **kwargs)
+        # No drafts to verify in this step (width 0 was drafted): build the inputs of a plain
+        # decode step, so the target samples normally instead of running the rejection sampler
+        # over zero drafts. The only read of speculative_config in _prepare_inputs picks the branch.
+        spec, self.speculative_config = self.speculative_config, None
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.speculative_config = spec
+    return _prepare_inputs
+
+
+def _stash(runner: Any, state: RunnerDCut) -> ContextStash | None:
+    """The runner's width-0 context stash: DFlash with ``zero_width=catch_up`` only."""
+    stash = runner.__dict__.get("_dcut_stash", False)
+    if stash is False:
+        lazy = state.settings.zero_width == "catch_up" and runner.speculative_config.method == "dflash"
+        stash = ContextStash() if state.joint and lazy else None
+        runner._dcut_stash = stash
+    return stash
+
+
+def _agreed(runner: Any, width: int) -> int:
+    """Rank 0's width on every tensor-parallel rank: each rank times its own steps, but the
+    drafter's forward has collectives, so all ranks must draft the same width."""
+    if runner.parallel_config.tensor_parallel_size == 1:
+        return width
+    from vllm.distributed import get_tp_group
+
+    return int(get_tp_group().broadcast_object(width, src=0))
 
 
 def _runner_take_draft_token_ids(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -220,10 +294,13 @@ def _worker_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[.
         state = runner_dcut(runner)
         if state is not None and state.cost_source == "none":
             state.load_or_profile(functools.partial(_profile_step, runner, state),
+                                  functools.partial(_profile_draft, runner),
                                   _profile_batch_sizes(runner, state))
             from vllm.utils.torch_utils import set_random_seed
 
             set_random_seed(self.model_config.seed)  # profiling must not shift the sampling RNG
+        if state is not None and state.joint:
+            _warm_up_widths(runner, state)
         return result
     return compile_or_warm_up_model
 
@@ -238,16 +315,21 @@ def _profile_batch_sizes(runner: Any, state: RunnerDCut) -> list[int]:
 
 
 def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -> None:
-    """One dummy verify step of ``verify_tokens`` spread over ``bs`` requests, drafter included.
+    """One dummy verify step of ``verify_tokens`` spread over ``bs`` requests, without the drafter.
 
     ``GPUModelRunner._dummy_run`` spreads tokens over ``min(tokens, max_num_seqs)`` requests, so
     max_num_seqs is set to ``bs`` for the call; logits are computed for every verify token, as a
-    real verify step does. Inputs are random, not zeros: with zeros every token of an MoE target
-    routes to the same experts and the step is unrealistically cheap.
+    real verify step does. ``_dummy_run`` also runs the drafter's dummy pass over all the verify
+    tokens, which a verify step does not pay (the drafter's cost is measured apart, per width):
+    it is switched off for the call. Inputs are random, not zeros: with zeros every token of an
+    MoE target routes to the same experts and the step is unrealistically cheap.
     """
     sched = runner.scheduler_config
     saved = sched.max_num_seqs
     sched.max_num_seqs = bs
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        drafter.dummy_run = _no_drafter_pass
     try:
         context = state.settings.profile_context_len + verify_tokens // bs + 1
         hidden, _ = runner._dummy_run(verify_tokens, force_attention=True, profile_seq_lens=context,
@@ -256,3 +338,59 @@ def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -
         runner._sync_device()
     finally:
         sched.max_num_seqs = saved
+        if drafter is not None:
+            del drafter.dummy_run
+
+
+def _no_drafter_pass(*args: Any, **kwargs: Any) -> None:
+    """Stands in for the drafter's dummy pass while a verify step is profiled."""
+
+
+def _profile_draft(runner: Any, bs: int, width: int) -> None:
+    """The drafter's pass for ``bs`` requests drafting ``width`` positions each.
+
+    DFlash: the context K/V projection for one token per request (a decode step's new context),
+    then the query pass over ``bs * (1 + width)`` tokens and the LM head over ``bs * width``
+    rows (nothing is written to the cache). Width 0 costs the context projection only (what the
+    catch-up path pays, batched, before the next drafting pass). Other drafters: their own dummy
+    pass at ``bs * max(1, width)`` tokens. Live steps refine every cell (``CostTable.refine_draft``).
+    """
+    drafter = runner.drafter
+    if runner.speculative_config.method != "dflash":
+        drafter.dummy_run(bs * max(1, width))
+        runner._sync_device()
+        return
+    from vllm.forward_context import set_forward_context
+
+    with torch.inference_mode():
+        drafter.model.precompute_and_store_context_kv(drafter.hidden_states[:bs],
+                                                      drafter._context_positions_buffer[:bs])
+        if width:
+            queries = min(bs * (1 + width), drafter.max_query_tokens)
+            mode, padded, across_dp = drafter._determine_batch_execution_and_padding(queries, use_cudagraphs=False)
+            with set_forward_context(None, drafter.vllm_config, num_tokens=padded, num_tokens_across_dp=across_dp,
+                                     cudagraph_runtime_mode=mode):
+                hidden = drafter.model(input_ids=drafter.input_ids[:padded],
+                                       positions=drafter._get_positions(padded), inputs_embeds=None)
+            drafter.model.compute_logits(hidden[: bs * width]).argmax(dim=-1)
+    runner._sync_device()
+
+
+def _warm_up_widths(runner: Any, state: RunnerDCut) -> None:
+    """Compile the DFlash input kernel for every width mode ``joint`` may draft (the kernel
+    specialises on its integer arguments; vLLM warms up only the engine's K). The warm-up goes
+    through Triton's JIT, which exists on CUDA-like platforms only; on CPU the first step at each
+    width pays its own specialisation, which the live draft-cost refinement absorbs."""
+    from vllm.platforms import current_platform
+
+    if runner.speculative_config.method != "dflash" or not current_platform.is_cuda_alike():
+        return
+    from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs
+
+    drafter = runner.drafter
+    stride = (drafter.max_model_len + drafter.block_size - 1) // drafter.block_size
+    for width in widths_for(state.k, state.settings.widths):
+        if width != state.k:
+            _copy_and_expand_dflash_inputs.warmup(
+                block_table_stride=stride, parallel_drafting_token_id=drafter.parallel_drafting_token_id,
+                block_size=drafter.block_size, num_speculative_tokens=width)

@@ -1,15 +1,20 @@
-"""D-Cut's per-engine state inside a vLLM model runner: decide after drafting, cut, measure.
+"""D-Cut's per-engine state inside a vLLM model runner: choose the width, decide, cut, measure.
 
-One ``RunnerDCut`` lives on each model runner (every tensor-parallel rank has one and takes the
-same decision, because every rank drafts the same tokens with the same confidences). The flow
-of one engine step, as driven by the patches in ``dcut.vllm.patches``:
+One ``RunnerDCut`` lives on each model runner. The flow of one engine step, as driven by the
+patches in ``dcut.vllm.patches``:
 
-1. ``begin_step``   (``execute_model``)   — note the shape of the step and start its clock;
-2. ``on_drafted``   (``propose_draft_token_ids``) — score the fresh drafts, choose keep depths
-   on the device (no host sync), and note how many of the verified drafts were accepted;
-3. ``cut``          (``take_draft_token_ids``) — truncate each request's drafts before the
+1. ``begin_step``   (``execute_model``) — note the shape of the step and start its clock;
+2. ``choose_width`` (``propose_draft_token_ids``, before drafting) — the target's part of the
+   step is over (its time refines the verify cost); mode ``joint`` picks how many positions to
+   draft from the two-part cost and the acceptance learned per width, or a probe width;
+3. ``on_drafted``   (after drafting) — the drafter's time refines the draft cost; score the fresh
+   drafts, choose keep depths on the device (no host sync), note what verification accepted;
+4. ``cut``          (``take_draft_token_ids``) — truncate each request's drafts before the
    scheduler sees them (so a pruned draft is never scheduled, verified or counted as rejected),
-   record the step and refine the cost table from its measured time.
+   record the step.
+
+With tensor parallelism every rank keeps its own state; the width must agree across ranks (the
+drafter's forward has collectives), so the patch hands rank 0's choice to the others.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from torch import Tensor
 
 import dcut
 from dcut.calibration import Calibrator
-from dcut.cost_table import CostTable, Fingerprint, current_hardware, profile_cost_table
+from dcut.cost_table import CostTable, Fingerprint, StepCost, current_hardware, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
+from dcut.width import ProbeBudget, WidthStats, choose_width, width_utilities, widths_for
 
 logger = logging.getLogger("vllm.dcut")
 
@@ -44,8 +50,8 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
 class _Pending:
     """What ``on_drafted`` decided, waiting for ``cut`` (tensors may still be on the device)."""
 
-    keep: Tensor
-    decision: Decision
+    keep: Tensor | None  # None: keep every draft (full width, a probe)
+    decision: Decision | None
     log_conf: Tensor
     selection_us: float
 
@@ -57,6 +63,16 @@ class _Verified:
     req_ids: list[str]
     num_draft: Tensor  # drafts verified per request (what was scheduled)
     accepted: Tensor  # drafts accepted per request
+    width: int  # the width those drafts were drafted at
+
+
+@dataclass
+class _LastDrafts:
+    """The raw confidences of the drafts handed to the scheduler, for calibration next step."""
+
+    index: dict[str, int]
+    log_conf: Tensor  # [bs, width] on the host
+    width: int
 
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
@@ -95,18 +111,29 @@ class RunnerDCut:
         self.settings = settings
         self.fingerprint = fingerprint
         self.k = k
+        self.joint = settings.mode == "joint"
+        self.widths = widths_for(k, settings.widths) if self.joint else [k]
+        self.width_stats = WidthStats(self.widths, k)
+        self.probes = ProbeBudget(self.widths, settings.probe_share)
         self.cost_table: CostTable | None = None
         self.cost_source = "none"
-        self.calibrator = Calibrator(k) if settings.calibrate else None
+        self.calibrators = {w: Calibrator(w) for w in self.widths if w} if settings.calibrate else {}
         self.window = StepWindow(settings.stats_window)
         self.steps = 0
         self._pending: _Pending | None = None
         self._verified: _Verified | None = None
+        self._last: _LastDrafts | None = None
         self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
         self._step_start = 0.0
-        self._step_end: float | None = None
-        self.overhead_ms = 0.0  # EMA of engine time between steps (scheduler, outputs): part of T(b)
-        self._last_conf: dict[str, Tensor] = {}  # req id -> log conf of the drafts it was given
+        self._draft_start: float | None = None
+        self._draft_end: float | None = None
+        self._verify_ms: float | None = None
+        self._draft_ms: float | None = None
+        self.overhead_ms = 0.0  # EMA of engine time per emitted token outside the measured step
+        self._emitted = 0  # tokens the last recorded step emitted (bs + accepted drafts)
+        self.width = k  # the width drafted this step
+        self.probe = False
+        self._held: int | None = None  # the width hysteresis holds on to
         self._last_log = time.monotonic()
 
     # -- cost table ------------------------------------------------------------------------
@@ -114,7 +141,7 @@ class RunnerDCut:
         root = Path(self.settings.cache_dir) if self.settings.cache_dir else DEFAULT_CACHE_DIR
         return root / f"{self.fingerprint.key()}.json"
 
-    def load_or_profile(self, run_step: Any, batch_sizes: list[int]) -> None:
+    def load_or_profile(self, run_step: Any, run_draft: Any, batch_sizes: list[int]) -> None:
         """Use a handed-in table, else the cache for this fingerprint, else profile (and cache).
 
         Every mode loads one: the modes that do not decide by cost still give throughput estimates.
@@ -127,10 +154,12 @@ class RunnerDCut:
             self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
             self.cost_source = f"cache ({self.cache_path()})"
         elif self.settings.profile:
-            logger.info("D-Cut: profiling the step cost for batch sizes %s (K=%d)", batch_sizes, self.k)
+            widths = widths_for(self.k, self.settings.widths)
+            logger.info("D-Cut: profiling verify and draft costs for batch sizes %s (K=%d, widths %s)",
+                        batch_sizes, self.k, widths)
             self.cost_table = profile_cost_table(
-                run_step, batch_sizes, self.k, self.fingerprint,
-                warmups=self.settings.profile_warmups, repeats=self.settings.profile_repeats)
+                run_step, batch_sizes, self.k, self.fingerprint, warmups=self.settings.profile_warmups,
+                repeats=self.settings.profile_repeats, run_draft=run_draft, widths=widths)
             self.cost_table.save(self.cache_path())
             self.cost_source = "profiled"
         else:
@@ -141,67 +170,112 @@ class RunnerDCut:
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
         self._step_start = time.perf_counter()
-        if self._step_end is not None and (gap := self._step_start - self._step_end) < OVERHEAD_GAP_S:
-            self.overhead_ms += OVERHEAD_EMA * (gap * 1000.0 - self.overhead_ms)
+        gap = None if self._draft_end is None else self._step_start - self._draft_end
+        if gap is not None and self._emitted and gap < OVERHEAD_GAP_S:
+            self.overhead_ms += OVERHEAD_EMA * (gap * 1000.0 / self._emitted - self.overhead_ms)
+        self._draft_end = None
         pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
         self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
 
+    def choose_width(self, bs: int, scheduled_width: int) -> int:
+        """The width to draft this step (host int, decided before drafting); starts the draft clock.
+
+        Modes other than ``joint`` draft what the scheduler asked for. ``joint`` maximises the
+        estimated tokens/s of the whole step over the candidate widths (``dcut.width``), holds on
+        to its last choice within the hysteresis, and now and then probes another width.
+        """
+        self._draft_start = time.perf_counter()
+        self._verify_ms = (self._draft_start - self._step_start) * 1000.0
+        self.width, self.probe = scheduled_width, False
+        table = self.cost_table
+        if not self.joint or table is None or bs <= 0:
+            return self.width
+        choices = width_utilities(bs, self.widths, self.width_stats.survival(), table.lookup_many,
+                                  table.draft_costs, self.overhead_ms)
+        chosen = choose_width(choices, self._held, self.settings.width_hysteresis)
+        if chosen is None:  # beyond the cost table: draft everything, the fallback ratio cuts
+            self.width = min(scheduled_width, self.k)
+            return self.width
+        self._held = chosen.width
+        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w))
+        self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
+        return self.width
+
+    def _full_step_ms(self, bs: int, width: int) -> float | None:
+        """Estimated step time drafting ``width`` and verifying all of it (a probe)."""
+        assert self.cost_table is not None
+        verify, draft = self.cost_table.lookup(bs, bs * (1 + width)), self.cost_table.draft_cost(bs, width)
+        return None if verify is None or draft is None else verify + draft + self.overhead_ms * bs * (1 + width)
+
     def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
                    num_draft_tokens: list[int] | None) -> None:
-        """Decide keep depths for fresh drafts ``[bs, K]``; note the just-verified outcome."""
-        if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled):
+        """Decide keep depths for fresh drafts ``[bs, W]``; note the just-verified outcome."""
+        self._draft_end = time.perf_counter()
+        self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
+        self._draft_start = None
+        if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
             accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0)
-            self._verified = _Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted)
+            self._verified = _Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted.cpu(),
+                                       self._last.width)
         else:
             self._verified = None
-        if log_conf is None:
+        if log_conf is None or log_conf.shape[-1] == 0:
             self._pending = None
             return
         start = time.perf_counter()
-        scored = self.calibrator.calibrate(log_conf) if self.calibrator is not None else log_conf
-        keep, decision = select(scored, self.settings, self.cost_table)
+        if self.probe or self.settings.mode == "off":
+            self._pending = _Pending(None, None, log_conf, 0.0)
+            return
+        calibrator = self.calibrators.get(log_conf.shape[-1])
+        scored = calibrator.calibrate(log_conf) if calibrator is not None else log_conf
+        cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
+                                                             self.overhead_ms * log_conf.shape[0])
+        keep, decision = select(scored, self.settings, cost)
         self._pending = _Pending(keep, decision, log_conf, (time.perf_counter() - start) * 1e6)
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """Truncate each request's drafts to its keep depth; record the step."""
-        self._step_end = time.perf_counter()
-        step_ms = (self._step_end - self._step_start) * 1000.0
         pending, self._pending = self._pending, None
         verified, self._verified = self._verified, None
-        if pending is not None and len(drafts) == pending.keep.shape[0]:
+        if pending is not None and pending.keep is not None and len(drafts) == pending.keep.shape[0]:
             depths = pending.keep.tolist()
             drafts = [d[:n] for d, n in zip(drafts, depths, strict=True)]
+        step_ms = (time.perf_counter() - self._step_start) * 1000.0
         self._record(pending, verified, step_ms)
-        if pending is not None and self.calibrator is not None:
-            conf = pending.log_conf.cpu()
-            self._last_conf = {r: conf[i] for i, r in enumerate(req_ids)}
+        self._last = None
+        if pending is not None:
+            self._last = _LastDrafts({r: i for i, r in enumerate(req_ids)}, pending.log_conf.cpu(),
+                                     pending.log_conf.shape[-1])
         return drafts
 
     def _record(self, pending: _Pending | None, verified: _Verified | None, step_ms: float) -> None:
         self.steps += 1
-        if self._step_shape is not None and self.cost_table is not None and self.settings.refine:
-            bs, tokens = self._step_shape
-            if self.cost_table.covering(bs) is not None:
-                self.cost_table.refine(bs, tokens, step_ms)
+        table = self.cost_table
+        if table is not None and self.settings.refine:
+            if self._step_shape is not None and self._verify_ms is not None and table.covering(self._step_shape[0]):
+                table.refine(*self._step_shape, self._verify_ms)
+            if self._step_shape is not None and self._draft_ms is not None:
+                table.refine_draft(self._step_shape[0], self.width, self._draft_ms)
         per_pos_kept = [0] * self.k
         per_pos_acc = [0] * self.k
         accepted_total = 0
         if verified is not None:
-            nd, acc = verified.num_draft.tolist(), verified.accepted.tolist()
-            for n, a in zip(nd, acc, strict=False):
-                a = min(a, n)
-                accepted_total += a
-                for t in range(min(n, self.k)):
-                    per_pos_kept[t] += 1
-                    per_pos_acc[t] += t < a
-            if self.calibrator is not None:
-                self._update_calibration(verified)
+            n = verified.num_draft.to(torch.int64).clamp(0, self.k).unsqueeze(1)
+            a = torch.minimum(verified.accepted.to(torch.int64).unsqueeze(1), n)
+            positions = torch.arange(self.k).unsqueeze(0)
+            per_pos_kept = (positions < n).sum(0).tolist()
+            per_pos_acc = (positions < a).sum(0).tolist()
+            accepted_total = int(a.sum())
+            if self.joint:
+                self.width_stats.observe(verified.width, verified.num_draft, verified.accepted)
+            self._update_calibration(verified)
         # Only the counts: Decision.to_dict would also copy every candidate's U to the host each step.
         decision = pending.decision if pending is not None else None
-        proposed = int(decision.proposed) if decision is not None else 0
-        kept = int(decision.kept) if decision is not None else 0
+        proposed = int(pending.log_conf.numel()) if pending is not None else 0
+        kept = int(decision.kept) if decision is not None else proposed
         bs = len(verified.req_ids) if verified is not None else 0
+        self._emitted = bs + accepted_total
         record = StepRecord(
             timestamp=time.time(),
             batch_size=bs,
@@ -211,11 +285,16 @@ class RunnerDCut:
             accepted_per_position=per_pos_acc,
             kept_per_position=per_pos_kept,
             ratio=kept / proposed if proposed else 1.0,
-            budget=int(decision.budget) if decision is not None else 0,
+            budget=int(decision.budget) if decision is not None else kept,
             step_ms=step_ms,
             selection_us=pending.selection_us if pending is not None else 0.0,
             fallback=decision is not None and decision.fallback,
+            width=self.width,
+            probe=self.probe,
+            verify_ms=self._verify_ms,
+            draft_ms=self._draft_ms,
         )
+        self._verify_ms = self._draft_ms = None
         self.window.add(record)
         metrics.observe(record, self.fingerprint.model)
         if time.monotonic() - self._last_log >= LOG_INTERVAL_S:
@@ -223,26 +302,40 @@ class RunnerDCut:
             self._log_summary()
 
     def _update_calibration(self, verified: _Verified) -> None:
-        rows = [(i, self._last_conf[r]) for i, r in enumerate(verified.req_ids) if r in self._last_conf]
+        last = self._last
+        calibrator = self.calibrators.get(verified.width)
+        if last is None or calibrator is None:
+            return
+        rows = [(i, last.index[r]) for i, r in enumerate(verified.req_ids) if r in last.index]
         if not rows:
             return
-        idx = torch.tensor([i for i, _ in rows])
-        log_conf = torch.stack([c for _, c in rows])
-        self.calibrator.update(log_conf, verified.num_draft[idx], verified.accepted[idx].cpu())
+        mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
+        calibrator.update(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
 
     def estimates(self) -> list[ThroughputEstimate]:
         """Predicted tokens/s per profiled batch size from the cost table and live acceptance."""
-        if self.cost_table is None or not len(self.window):
+        table = self.cost_table
+        if table is None or not len(self.window):
             return []
-        sizes = sorted(int(b) for b in self.cost_table.to_json()["points"])
-        return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings, self.cost_table,
-                                        draft_ms=self.overhead_ms)
+        sizes = sorted(table.points)
+        if not self.joint:
+            return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings,
+                                            StepCost(table, self.k), draft_ms=0.0)
+        survival = self.width_stats.survival()
+        out = []
+        for b in sizes:
+            best = choose_width(width_utilities(b, self.widths, survival, table.lookup_many, table.draft_costs,
+                                                self.overhead_ms), None, 0.0)
+            if best is not None and best.step_ms > 0:
+                out.append(ThroughputEstimate(b, best.tokens_per_step, best.step_ms, best.tokens_per_s,
+                                              best.tokens_per_s / b))
+        return out
 
     def _log_summary(self) -> None:
         """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
         w = self.window
-        logger.info("D-Cut: %d steps, mean keep ratio %s, accepted drafts/request-step %s, "
-                    "position acceptance %s, cost table %s", len(w), _fmt(w.mean_keep_ratio()),
+        logger.info("D-Cut: %d steps, widths %s, mean keep ratio %s, accepted drafts/request-step %s, "
+                    "position acceptance %s, cost table %s", len(w), w.width_histogram(), _fmt(w.mean_keep_ratio()),
                     _fmt(w.mean_accepted_length()), [_fmt(p) for p in w.position_acceptance()[:8]],
                     self.cost_source)
 
@@ -264,13 +357,16 @@ class RunnerDCut:
                 r.selection_us for r in self.window.records if r.selection_us]) else None,
             "estimates": [asdict(e) for e in self.estimates()],
             "overhead_ms": self.overhead_ms,
+            "cost_table": None if self.cost_table is None else self.cost_table.to_json(),
         }
-        if self.calibrator is not None:
-            out["calibration"] = self.calibrator.reliability()
+        if self.joint:
+            out["width_observations"] = {str(w): n for w, n in self.width_stats.observations().items()}
+            out["width_survival"] = {str(w): row for w, row in zip(self.widths, self.width_stats.survival().tolist(),
+                                                                    strict=True)}
+        if self.calibrators:
+            out["calibration"] = {str(w): c.reliability() for w, c in self.calibrators.items()}
         return out
 
 
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dcut.bench.generate import token_ids_sha256
 from dcut.settings import DCutSettings, EngineSettings
-from dcut.vllm.offline import token_ids_sha256
 from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration

@@ -56,7 +56,8 @@ def test_refine_is_bounded_and_keeps_monotone() -> None:
     assert t.lookup(4, 17) == pytest.approx(2 * before)
     shift = t.lookup(4, 17) - before
     row_after = [t.lookup(4, p[0]) for p in t.points[4]]
-    assert row_after == pytest.approx([ms + shift for ms in row_before])  # the whole row moves: still monotone
+    # The row's verify points move together (still monotone); the plain point (4 tokens) is corrected apart.
+    assert row_after[1:] == pytest.approx([ms + shift for ms in row_before[1:]]) and row_after[0] == row_before[0]
     assert t.costs(4, torch.tensor([16])).tolist() == pytest.approx([t.lookup(4, 16)])
     t.refine(4, 17, 0.0)  # clipped to 0.5x; running mean of two samples
     assert t.lookup(4, 17) == pytest.approx(before + shift - 0.25 * (before + shift))  # mean of +shift, -half
@@ -90,7 +91,8 @@ def test_merge_weights_by_samples_and_unions_points() -> None:
 def test_json_round_trip(tmp_path: Path) -> None:
     t = table()
     data = json.loads(json.dumps(t.to_json()))
-    assert set(data) == {"fingerprint", "points", "offsets"} and data["points"]["4"][0] == [4, 10.0, 3]
+    assert set(data) == {"fingerprint", "points", "offsets", "plain_offsets", "draft"}
+    assert data["points"]["4"][0] == [4, 10.0, 3]
     back = CostTable.from_json(data)
     assert back.points == t.points and back.fingerprint == t.fingerprint
     path = tmp_path / "tables" / f"{FP.key()}.json"
@@ -138,3 +140,41 @@ def test_profile_cost_table_with_fake_step() -> None:
         for tokens, ms, n in t.points[bs]:
             assert ms == pytest.approx(1.0 + 0.01 * tokens) and n == 3
     assert t.lookup(4, 64) == pytest.approx(1.64)
+
+
+def test_draft_costs_interpolate_refine_and_survive_json_and_merge() -> None:
+    t = CostTable(FP, {4: [(4, 10.0, 3), (64, 40.0, 3)]}, draft={4: {0: (0.5, 1), 15: (15.5, 1)}})
+    assert t.draft_cost(2, 0) == 0.5 and t.draft_cost(4, 5) == pytest.approx(5.5)  # linear in width
+    assert t.draft_cost(5, 3) is None  # beyond the table
+    t.refine_draft(4, 15, 20.0)  # profiled value counts as one sample: running mean
+    assert t.draft_cost(4, 15) == pytest.approx(17.75)
+    t.refine_draft(4, 15, 1000.0)  # clipped to 2x the cell
+    assert t.draft_cost(4, 15) < 2 * 17.75
+    t.refine_draft(4, 7, 9.0)  # a width never profiled gets its own cell
+    assert t.draft_cost(4, 7) == 9.0
+    again = CostTable.from_json(json.loads(json.dumps(t.to_json())))
+    assert again.draft == t.draft
+    merged = CostTable.merge([t, CostTable(FP, {4: [(4, 10.0, 3)]}, draft={4: {0: (1.5, 3)}})])
+    assert merged.draft[4][0] == (pytest.approx(1.25), 4)  # sample-weighted
+
+
+def test_plain_steps_learn_their_own_offset() -> None:
+    """A step verifying no drafts runs the engine's plain path: its correction is kept apart."""
+    t = table()
+    for _ in range(20):
+        t.refine(4, 4, 12.0)  # plain step: table says 10
+        t.refine(4, 16, 22.0)  # verify step: table says 16
+    assert t.lookup(4, 4) == pytest.approx(12.0, abs=0.1)
+    assert t.lookup(4, 16) == pytest.approx(22.0, abs=0.1)
+    costs = t.costs(4, torch.tensor([4, 16]))
+    assert costs is not None and costs.tolist() == pytest.approx([12.0, 22.0], abs=0.1)
+    assert t.lookup_many(4, torch.tensor([4, 16]).numpy()).tolist() == pytest.approx([12.0, 22.0], abs=0.1)
+    assert CostTable.from_json(json.loads(json.dumps(t.to_json()))).plain_offsets == t.plain_offsets
+
+
+def test_profile_times_draft_widths() -> None:
+    calls: list[tuple[str, int, int]] = []
+    t = profile_cost_table(lambda bs, n: calls.append(("v", bs, n)), [2], 3, FP, warmups=0, repeats=1,
+                           progress=False, run_draft=lambda bs, w: calls.append(("d", bs, w)), widths=[0, 3])
+    assert ("d", 2, 0) in calls and ("d", 2, 3) in calls
+    assert sorted(t.draft[2]) == [0, 3]

@@ -27,11 +27,6 @@ def record(bs: int, proposed: int, kept: int, accepted: list[int], kept_pos: lis
                       timestamp=0.0)
 
 
-def test_record_round_trip() -> None:
-    r = record(2, 6, 4, [2, 1], [2, 2], 10.0)
-    assert StepRecord.from_dict(json.loads(json.dumps(r.to_dict()))) == r
-
-
 def test_window_summaries() -> None:
     w = StepWindow(maxlen=2)
     w.add(record(9, 9, 9, [9], [9]))  # pushed out by maxlen

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from dcut.settings import DCutSettings, EngineSettings
 
-GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request")
+GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request", "joint")
 DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
 
 
@@ -51,10 +52,13 @@ def token_ids_sha256(token_ids: list[list[int]]) -> str:
 
 
 def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int], max_tokens: int,
-             temperature: float = 0.0, seed: int = 0, warmup_tokens: int = 8) -> list[dict[str, Any]]:
+             temperature: float = 0.0, seed: int = 0, repeats: int = 1) -> list[dict[str, Any]]:
     """For each batch size: ``max_tokens`` for that many prompts (cycled) at a steady batch; measured.
 
     One engine serves every batch size (max_num_seqs = the largest), so they share one cost table.
+    Each batch size is first run once untimed on other prompts (one-time work: compilation of new
+    shapes, first-use kernels, D-Cut learning acceptance), then ``repeats`` timed runs; tokens/s
+    is their median, with the spread. The stats cover the timed runs.
     """
     from vllm import LLM, SamplingParams
 
@@ -70,15 +74,19 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
     results = []
     for bs in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
-        if warmup_tokens:
-            llm.generate(batch, SamplingParams(max_tokens=warmup_tokens, ignore_eos=True), use_tqdm=False)
+        warmup = [prompts[(len(prompts) // 2 + i) % len(prompts)] for i in range(bs)]
+        llm.generate(warmup, params, use_tqdm=False)
         if with_dcut:
             reset_stats(llm)
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate(batch, params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
         produced = sum(len(t) for t in token_ids)
+        rates = sorted(produced / w for w in walls if w > 0)
+        wall = statistics.median(walls)
         stats = read_stats(llm) if with_dcut else None
         window = (stats or {}).get("window", {})
         results.append({
@@ -92,7 +100,10 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
             "generated_tokens": produced,
             "wall_s": wall,
             "startup_s": startup_s,
-            "tokens_per_s": produced / wall if wall > 0 else 0.0,
+            "repeats": repeats,
+            "tokens_per_s": statistics.median(rates) if rates else 0.0,
+            "tokens_per_s_min": rates[0] if rates else 0.0,
+            "tokens_per_s_max": rates[-1] if rates else 0.0,
             "mean_accepted_length": window.get("mean_accepted_length"),
             "mean_keep_ratio": window.get("mean_keep_ratio"),
             "keep_ratio_histogram": window.get("keep_ratio_histogram"),
@@ -100,6 +111,13 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
             "mean_step_ms": window.get("mean_step_ms"),
             "selection_us_median": (stats or {}).get("selection_us_median"),
             "steps": window.get("steps"),
+            "width_histogram": window.get("width_histogram"),
+            "probe_steps": window.get("probe_steps"),
+            "mean_verify_ms": window.get("mean_verify_ms"),
+            "mean_draft_ms": window.get("mean_draft_ms"),
+            "overhead_ms": (stats or {}).get("overhead_ms"),
+            "width_survival": (stats or {}).get("width_survival"),
+            "cost_table": (stats or {}).get("cost_table"),
             "cost_source": (stats or {}).get("cost_source"),
             "dcut_settings": (stats or {}).get("settings"),
             "calibration": (stats or {}).get("calibration"),

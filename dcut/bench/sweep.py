@@ -7,7 +7,11 @@ engine serves all batch sizes of a mode. Modes:
 - ``dynamic`` vLLM's own ``num_speculative_tokens_per_batch_size``, with the best K per batch
   size found by the sweep itself (fixed K in {1, 3, 7, K} first, full width);
 - ``fixed-per-request`` the same number of drafts for every request, at the budget ``auto`` chose;
-- ``auto`` / ``continuous`` D-Cut.
+- ``auto`` / ``continuous`` D-Cut choosing what to verify (the drafter always drafts K);
+- ``joint`` D-Cut choosing the drafted width each step, then what to verify (``dcut.width``).
+
+Every engine runs at vLLM's default compilation unless ``--enforce-eager`` is given, so ``none``
+and ``dynamic`` are measured as users run them.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcut.commands.sweep import SWEEP_MODES
+from dcut.bench.generate import generate, settings_for_mode
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
-from dcut.vllm.offline import generate, settings_for_mode
 
+SWEEP_MODES = ("none", "full", "dynamic", "fixed-per-request", "auto", "continuous", "joint")
 DYNAMIC_KS = (1, 3, 7)  # plus the sweep's own K
+REPEATS = 3
 
 
 class SweepError(RuntimeError):
@@ -33,14 +38,14 @@ class SweepError(RuntimeError):
 
 
 def run_cell(base: EngineSettings, mode: str, batch_sizes: list[int], prompts: list[str], max_tokens: int,
-             **update: Any) -> list[dict[str, Any]]:
+             repeats: int = REPEATS, **update: Any) -> list[dict[str, Any]]:
     """One engine over several batch sizes; ``update`` changes engine or D-Cut settings."""
     settings = settings_for_mode(mode, base)
     dcut_update = {k: update.pop(k) for k in list(update) if k in ("per_request_depth",)}
     if dcut_update and settings.dcut is not None:
         update["dcut"] = settings.dcut.model_copy(update=dcut_update)
     try:
-        return generate(settings.model_copy(update=update), prompts, batch_sizes, max_tokens)
+        return generate(settings.model_copy(update=update), prompts, batch_sizes, max_tokens, repeats=repeats)
     except Exception as e:  # an engine that cannot run this configuration
         raise SweepError(f"{mode} {update}: {type(e).__name__}: {e}") from e
     finally:
@@ -59,14 +64,14 @@ def best_k_schedule(by_k: dict[int, dict[int, float]], batch_sizes: list[int]) -
 
 
 def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompts: list[str], max_tokens: int,
-          out: Path) -> dict[str, Any]:
+          out: Path, repeats: int = REPEATS) -> dict[str, Any]:
     """Run every requested mode; returns the sweep record (also written to ``out/``)."""
     out.mkdir(parents=True, exist_ok=True)
     k = base.num_speculative_tokens
     base = base.model_copy(update={"dcut": base.dcut.model_copy(update={"cache_dir": str(out / "cost_cache")})})
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
-    plan = [m for m in ("none", "full", "auto", "continuous") if m in modes]
+    plan = [m for m in ("none", "full", "auto", "continuous", "joint") if m in modes]
     if "fixed-per-request" in modes and "auto" not in plan:
         plan.append("auto")  # fixed-per-request needs auto's budget
     dynamic_ks = [kk for kk in DYNAMIC_KS if kk < k] + [k]
@@ -74,7 +79,7 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
                desc="sweep", unit="engine")
     for mode in plan:
         bar.set_postfix_str(mode)
-        for r in run_cell(base, mode, batch_sizes, prompts, max_tokens):
+        for r in run_cell(base, mode, batch_sizes, prompts, max_tokens, repeats):
             rows[(mode, r["batch_size"])] = r
         bar.update()
 
@@ -85,7 +90,7 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             ratio = rows[("auto", bs)].get("mean_keep_ratio") or 1.0
             depths.setdefault(max(0, min(k, round(ratio * k))), []).append(bs)
         for depth, sizes in sorted(depths.items()):
-            for r in run_cell(base, "per_request", sizes, prompts, max_tokens, per_request_depth=depth):
+            for r in run_cell(base, "per_request", sizes, prompts, max_tokens, repeats, per_request_depth=depth):
                 r["mode"], r["per_request_depth"] = "fixed-per-request", r["dcut_settings"]["per_request_depth"]
                 rows[("fixed-per-request", r["batch_size"])] = r
         bar.update()
@@ -96,18 +101,19 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
         for kk in dynamic_ks:
             bar.set_postfix_str(f"fixed K={kk}")
             cells = ([rows[("full", bs)] for bs in batch_sizes] if kk == k and "full" in modes
-                     else run_cell(base, "full", batch_sizes, prompts, max_tokens, num_speculative_tokens=kk))
+                     else run_cell(base, "full", batch_sizes, prompts, max_tokens, repeats, num_speculative_tokens=kk))
             by_k[kk] = {r["batch_size"]: r["tokens_per_s"] for r in cells}
             fixed_rows.update({(kk, r["batch_size"]): r for r in cells})
             bar.update()
         schedule = best_k_schedule(by_k, batch_sizes)
         bar.set_postfix_str("dynamic")
         try:
-            cells = run_cell(base, "full", batch_sizes, prompts, max_tokens,
+            cells = run_cell(base, "full", batch_sizes, prompts, max_tokens, repeats,
                              num_speculative_tokens=max(s[2] for s in schedule), spec_schedule=schedule)
             for r in cells:
                 rows[("dynamic", r["batch_size"])] = {**r, "mode": "dynamic"}
-            notes.append(f"dynamic: vLLM num_speculative_tokens_per_batch_size = {schedule}")
+            notes.append(f"dynamic: vLLM num_speculative_tokens_per_batch_size = {schedule}, picked from the "
+                         f"fixed-K runs in `dynamic_fixed_k`")
         except SweepError as e:
             notes.append(f"dynamic: vLLM's dynamic speculation failed here, so the best fixed K per batch "
                          f"size stands in for it (the same thing). Error: {e}")
@@ -118,6 +124,15 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
         bar.update()
     bar.close()
 
+    fixed_k = [] if "dynamic" not in modes else [
+        {"k": kk, "bs": bs, "tokens_per_s": r["tokens_per_s"], "tokens_per_s_min": r.get("tokens_per_s_min"),
+         "tokens_per_s_max": r.get("tokens_per_s_max"), "mean_accepted_length": r.get("mean_accepted_length")}
+        for (kk, bs), r in sorted(fixed_rows.items())]
+    tables = out / "cost_tables"
+    for (mode, bs), r in rows.items():
+        if r.get("cost_table") and bs == max(batch_sizes):  # the refined table after the engine's last cell
+            tables.mkdir(exist_ok=True)
+            (tables / f"{mode}.json").write_text(json.dumps(r["cost_table"], indent=1))
     results = []
     for (mode, bs), r in sorted(rows.items(), key=lambda kv: (SWEEP_MODES.index(kv[0][0]), kv[0][1])):
         if mode not in modes:
@@ -125,6 +140,11 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
         none = rows.get(("none", bs))
         results.append({
             "mode": mode, "bs": bs, "k": r.get("k"), "tokens_per_s": r["tokens_per_s"],
+            "tokens_per_s_min": r.get("tokens_per_s_min"), "tokens_per_s_max": r.get("tokens_per_s_max"),
+            "repeats": r.get("repeats"), "steps": r.get("steps"), "wall_s": r.get("wall_s"),
+            "mean_step_ms": _mean_step(r), "mean_verify_ms": r.get("mean_verify_ms"),
+            "mean_draft_ms": r.get("mean_draft_ms"), "width_histogram": r.get("width_histogram"),
+            "probe_steps": r.get("probe_steps"), "keep_ratio_histogram": r.get("keep_ratio_histogram"),
             "speedup_vs_none": r["tokens_per_s"] / none["tokens_per_s"] if none else None,
             "mean_keep_ratio": r.get("mean_keep_ratio"), "mean_accepted_length": r.get("mean_accepted_length"),
             "per_position_acceptance": r.get("per_position_acceptance"),
@@ -133,11 +153,18 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             "engine_startup_s": r.get("startup_s"), "cost_source": r.get("cost_source"),
         })
     record = {"machine": machine_info(), "engine": base.model_dump(), "k": k, "batch_sizes": batch_sizes,
-              "max_tokens": max_tokens, "notes": notes, "results": results}
+              "max_tokens": max_tokens, "repeats": repeats, "notes": notes, "results": results,
+              "dynamic_fixed_k": fixed_k}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
     (out / "sweep.md").write_text(markdown(record))
     _plots(record, out)
     return record
+
+
+def _mean_step(r: dict[str, Any]) -> float | None:
+    """Mean step time over the cell's timed steps (``mean_step_ms`` is kept per batch size seen)."""
+    per_bs = r.get("mean_step_ms") or {}
+    return per_bs.get(str(r["batch_size"])) or (max(per_bs.values()) if per_bs else None)
 
 
 def geo_mean(values: list[float]) -> float | None:
@@ -159,8 +186,7 @@ def markdown(record: dict[str, Any]) -> str:
                      + f" | {'-' if g is None else f'{g:.2f}'} |")
     lines += ["", "## Output tokens/s", "", head.replace(" geo |", "").replace("---|---|", "---|", 1)]
     for m in modes:
-        lines.append(f"| {m} | " + " | ".join(f"{cell[(m, b)]['tokens_per_s']:.1f}" if (m, b) in cell else "-"
-                                               for b in sizes) + " |")
+        lines.append(f"| {m} | " + " | ".join(_rate(cell.get((m, b))) for b in sizes) + " |")
     lines += ["", "## Chosen keep ratio / mean accepted drafts per request-step", "",
               head.replace(" geo |", "").replace("---|---|", "---|", 1)]
     for m in modes:
@@ -173,6 +199,14 @@ def markdown(record: dict[str, Any]) -> str:
             vals.append("-" if r is None else f"{'-' if kr is None else f'{kr:.2f}'} / "
                         f"{'-' if al is None else f'{al:.2f}'}")
         lines.append(f"| {m} | " + " | ".join(vals) + " |")
+    if "joint" in modes:
+        lines += ["", "## `joint`: steps per drafted width (probe steps) / mean step, verify, drafter ms", ""]
+        for b in sizes:
+            r = cell.get(("joint", b))
+            if r:
+                lines.append(f"- bs {b}: widths {r.get('width_histogram')} ({r.get('probe_steps')} probes); "
+                             f"step {_ms(r.get('mean_step_ms'))}, verify {_ms(r.get('mean_verify_ms'))}, "
+                             f"drafter {_ms(r.get('mean_draft_ms'))} ms")
     lossless = {r["bs"]: r["token_ids_sha256"] for r in record["results"] if r["mode"] == "none"}
     same = all(r["token_ids_sha256"] == lossless.get(r["bs"]) for r in record["results"] if r["bs"] in lossless)
     lines += ["", f"Greedy outputs identical to `none` in every cell: **{'yes' if same else 'NO'}**."]
@@ -180,8 +214,23 @@ def markdown(record: dict[str, Any]) -> str:
     m, e = record["machine"], record["engine"]
     lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. Target `{e['model']}`, "
               f"drafter `{e['draft']}` ({e['method']}), K={record['k']}, {e['dtype']}, "
-              f"{record['max_tokens']} greedy tokens per request."]
+              f"{'eager' if e.get('enforce_eager') else 'compiled (vLLM default)'}, "
+              f"{record['max_tokens']} greedy tokens per request; median of {record.get('repeats', 1)} timed runs "
+              f"per cell (min–max in brackets), each after an untimed warm-up run."]
     return "\n".join(lines) + "\n"
+
+
+def _rate(r: dict[str, Any] | None) -> str:
+    """Median tokens/s with the spread of the repeats."""
+    if r is None:
+        return "-"
+    lo, hi = r.get("tokens_per_s_min"), r.get("tokens_per_s_max")
+    spread = f" ({lo:.0f}–{hi:.0f})" if lo is not None and hi is not None and (r.get("repeats") or 1) > 1 else ""
+    return f"{r['tokens_per_s']:.1f}{spread}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _plots(record: dict[str, Any], out: Path) -> None:

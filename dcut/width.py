@@ -1,0 +1,184 @@
+"""How many positions to draft this step: the joint choice of drafted width and verify budget.
+
+D-Cut's verify budget alone leaves the drafter's own pass untouched, and on small targets that
+pass, not verification, dominates a speculative step (``docs/benchmarks.md``). Before drafting,
+``choose_width`` picks the width W (0 = draft nothing) that maximises expected tokens per
+second of the whole step::
+
+    U(W) = max over d <= W of  E / (C_verify(bs, bs * (1 + d)) + C_draft(bs, W) + o * E),  E = bs * (1 + S_W(d))
+
+where ``S_W(d)`` is the expected number of accepted drafts among the first d of a block drafted
+at width W (acceptance depends on W: the DFlash block is non-causal). The uniform depth d is a
+conservative stand-in for the global top-k that runs after drafting on the real confidences;
+``o`` is the engine's measured per-token overhead outside the model.
+
+Acceptance is learned per width from what verification shows (``WidthStats``); positions that
+are never verified would never be learned, so ``ProbeBudget`` spends a bounded share of time on
+occasional probe steps that draft another width and verify all of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
+
+
+def widths_for(k: int, widths: Sequence[int] | None = None) -> list[int]:
+    """The candidate widths for an engine drafting at most ``k``: sorted, unique, 0 and k included."""
+    chosen = {w for w in (widths if widths is not None else DEFAULT_WIDTHS) if 0 <= w <= k}
+    return sorted(chosen | {0, k})
+
+
+class WidthStats:
+    """Per (width, position): requests that reached the position and how many were accepted.
+
+    ``reached[w, t]`` counts verified drafts at position t of a block drafted at width ``w``
+    whose earlier drafts were all accepted; ``accepted[w, t]`` those accepted too. The ratio is the
+    conditional acceptance ``q_w[t]``; its running product the survival ``s_w[t]``. Counts are
+    capped (scaled down together) so the estimate follows a changing workload.
+    """
+
+    def __init__(self, widths: Sequence[int], k: int, prior_q: float = 0.5, prior_weight: float = 2.0,
+                 cap: float = 4096.0) -> None:
+        self.widths = list(widths)
+        self.k = k
+        self.prior_q, self.prior_weight, self.cap = prior_q, prior_weight, cap
+        self.reached = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        self.accepted = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        self._index = {w: i for i, w in enumerate(self.widths)}
+        self._survival: np.ndarray | None = None
+
+    def observe(self, width: int, verified: Tensor, accepted: Tensor) -> None:
+        """Count one step: request i verified its first ``verified[i]`` drafts, accepted ``accepted[i]``."""
+        i = self._index.get(width)
+        if i is None or width == 0 or verified.numel() == 0:
+            return
+        positions = torch.arange(self.k).unsqueeze(0)
+        n = verified.to(torch.int64).clamp(0, width).unsqueeze(1)
+        a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
+        reached = (positions < n) & (positions <= a)
+        self.reached[i] += reached.sum(0, dtype=torch.float64)
+        self.accepted[i] += (positions < a).sum(0, dtype=torch.float64)
+        self._survival = None
+        top = float(self.reached[i].max())
+        if top > self.cap:
+            self.reached[i] *= self.cap / top
+            self.accepted[i] *= self.cap / top
+
+    def conditional(self) -> Tensor:
+        """``q[w, t]``, Beta-smoothed towards the pooled rate of position t over all widths."""
+        pooled = (self.accepted.sum(0) + self.prior_weight * self.prior_q) / (
+            self.reached.sum(0) + self.prior_weight)
+        return (self.accepted + self.prior_weight * pooled) / (self.reached + self.prior_weight)
+
+    def survival(self) -> np.ndarray:
+        """``s[w, t]`` = P(drafts 0..t of a width-w block all accepted); 0 past each width.
+
+        Recomputed only after new observations (it is read before every drafting pass)."""
+        if self._survival is None:
+            s = self.conditional().cumprod(dim=1)
+            widths = torch.tensor(self.widths).unsqueeze(1)
+            self._survival = s.masked_fill(torch.arange(self.k).unsqueeze(0) >= widths, 0.0).numpy()
+        return self._survival
+
+    def observations(self) -> dict[int, int]:
+        """Requests observed at position 0, per width (how much each width's estimate rests on)."""
+        return {w: int(self.reached[i, 0]) for i, w in enumerate(self.widths) if w}
+
+
+@dataclass(frozen=True)
+class WidthChoice:
+    """The outcome of ``choose_width``: the width, its best uniform depth and their estimate."""
+
+    width: int
+    depth: int
+    tokens_per_step: float
+    step_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.tokens_per_step / self.step_ms if self.step_ms > 0 else 0.0
+
+
+def width_utilities(bs: int, widths: Sequence[int], survival: np.ndarray,
+                    verify_ms: Callable[[int, np.ndarray], np.ndarray | None],
+                    draft_ms: Callable[[int, np.ndarray], np.ndarray | None],
+                    overhead_ms_per_token: float) -> list[WidthChoice | None]:
+    """The best (depth, estimate) of each width; all None where a cost is unknown for this batch size.
+
+    The engine's work outside the model (scheduling, sampled-token bookkeeping, detokenising the
+    outputs) grows with the tokens a step emits, so it is priced per expected token.
+
+    Vectorised over widths and depths (it runs before every drafting pass): one cost lookup for
+    all verify sizes ``bs * (1 + d)``, one for all widths.
+    """
+    k = survival.shape[1]
+    depths = np.arange(k + 1)
+    verify = verify_ms(bs, bs * (1 + depths))
+    draft = draft_ms(bs, np.asarray(widths))
+    if verify is None or draft is None:
+        return [None] * len(widths)
+    gains = np.concatenate([np.zeros((len(widths), 1)), np.cumsum(survival, axis=1)], axis=1)
+    tokens = bs * (1.0 + gains)
+    step = verify[None, :] + draft[:, None] + overhead_ms_per_token * tokens
+    rate = np.where(depths[None, :] <= np.asarray(widths)[:, None], tokens / step, -np.inf)
+    best = rate.argmax(axis=1)
+    rows = np.arange(len(widths))
+    return [WidthChoice(int(w), int(d), float(t), float(ms))
+            for w, d, t, ms in zip(widths, best, tokens[rows, best], step[rows, best], strict=True)]
+
+
+def choose_width(choices: Sequence[WidthChoice | None], current: int | None, hysteresis: float) -> WidthChoice | None:
+    """The best width, kept at ``current`` unless another beats it by more than ``hysteresis``.
+
+    Switching has a price the estimate does not see (a new width's acceptance is less known, the
+    estimate is noisy); hysteresis keeps the choice from flapping between near-equal widths.
+    """
+    valid = [c for c in choices if c is not None]
+    if not valid:
+        return None
+    best = max(valid, key=lambda c: c.tokens_per_s)
+    held = next((c for c in valid if c.width == current), None)
+    if held is not None and best.tokens_per_s <= (1.0 + hysteresis) * held.tokens_per_s:
+        return held
+    return best
+
+
+class ProbeBudget:
+    """Occasional probe steps, paid from a credit of ``share`` of the steps taken.
+
+    A probe drafts a width other than the chosen one and verifies all of it, so acceptance at
+    widths and positions D-Cut has stopped using stays known. Each step earns ``share`` of a
+    step; a probe costs its step time in units of the chosen step's (at least one), so probes
+    take at most ``share`` of the time. Probe widths rotate; a dear one waits until the credit
+    covers it.
+    """
+
+    def __init__(self, widths: Sequence[int], share: float) -> None:
+        self.widths = list(widths)
+        self.share = share
+        self.credit = 0.0
+        self._next = 0
+
+    def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None]) -> int | None:
+        """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w."""
+        if self.share <= 0:
+            return None
+        self.credit += self.share
+        candidates = [w for w in self.widths if w != chosen.width]
+        if not candidates or self.credit < 1.0:
+            return None
+        width = candidates[self._next % len(candidates)]
+        cost = full_step_ms(width)
+        price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
+        if self.credit < price:
+            return None
+        self.credit -= price
+        self._next += 1
+        return width

@@ -1,0 +1,81 @@
+"""The drafted-width choice: per-width acceptance, the joint utility, hysteresis and probes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dcut.width import ProbeBudget, WidthChoice, WidthStats, choose_width, width_utilities, widths_for
+
+
+def test_widths_always_include_zero_and_k() -> None:
+    assert widths_for(15) == [0, 1, 2, 3, 5, 7, 11, 15]
+    assert widths_for(4) == [0, 1, 2, 3, 4]
+    assert widths_for(7, [3, 9]) == [0, 3, 7]
+
+
+def test_width_stats_count_reached_positions_per_width() -> None:
+    stats = WidthStats([0, 2, 4], k=4, prior_weight=0.0)
+    # Three requests drafted at width 4: verified 4/4/2 drafts, accepted 1/4/2.
+    stats.observe(4, torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2]))
+    q = stats.conditional()
+    assert q[2].tolist() == pytest.approx([3 / 3, 2 / 3, 1 / 1, 1 / 1])
+    s = stats.survival()
+    assert s[2].tolist() == pytest.approx(np.cumprod([1, 2 / 3, 1, 1]).tolist())
+    assert s[0].tolist() == [0, 0, 0, 0] and s[1, 2:].tolist() == [0, 0]  # nothing past each width
+    assert stats.observations() == {2: 0, 4: 3}
+
+
+def test_unobserved_width_borrows_the_pooled_rate() -> None:
+    stats = WidthStats([2, 4], k=4, prior_q=0.5, prior_weight=2.0)
+    for _ in range(50):
+        stats.observe(4, torch.tensor([4] * 8), torch.tensor([4] * 8))  # all accepted at width 4
+    q = stats.conditional()
+    assert q[0, 0] > 0.9  # width 2 never observed: pooled towards width 4's rate, not the 0.5 prior
+
+
+def flat_verify(bs: int, tokens: np.ndarray) -> np.ndarray:
+    return 10.0 + 0.0 * tokens
+
+
+def steep_verify(bs: int, tokens: np.ndarray) -> np.ndarray:
+    return 1.0 + 1.0 * tokens
+
+
+def test_utilities_pick_drafting_when_cheap_and_accepted() -> None:
+    widths = [0, 2, 4]
+    survival = np.array([[0, 0, 0, 0], [0.9, 0.8, 0, 0], [0.9, 0.8, 0.7, 0.6]])
+    cheap = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 0.1 * w, 0.0)
+    assert choose_width(cheap, None, 0.0).width == 4  # verify is flat, drafting nearly free
+    dear = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 50.0 * w, 0.0)
+    assert choose_width(dear, None, 0.0).width == 0  # the drafter costs more than it brings
+    steep = width_utilities(4, widths, survival, steep_verify, lambda bs, w: 0.0 * w, 0.0)
+    best = choose_width(steep, None, 0.0)
+    assert best.width in (2, 4) and best.depth == 1  # verification per token dominates: cut the depth
+    assert steep[0].tokens_per_step == 4 and steep[0].step_ms == pytest.approx(5.0)  # tokens / step time
+    big = width_utilities(64, widths, survival, steep_verify, lambda bs, w: 0.0 * w, 0.0)
+    assert choose_width(big, None, 0.0).width == 0  # at bs 64 no draft pays its verify cost
+
+
+def test_unknown_costs_give_no_choice() -> None:
+    out = width_utilities(4, [0, 2], np.zeros((2, 2)), lambda bs, t: None, lambda bs, w: 0.0 * w, 0.0)
+    assert out == [None, None] and choose_width(out, None, 0.0) is None
+
+
+def test_hysteresis_holds_the_current_width() -> None:
+    a, b = WidthChoice(2, 2, 10.0, 10.0), WidthChoice(4, 4, 10.4, 10.0)
+    assert choose_width([a, b], current=2, hysteresis=0.05).width == 2
+    assert choose_width([a, b], current=2, hysteresis=0.01).width == 4
+    assert choose_width([a, b], current=None, hysteresis=0.5).width == 4
+
+
+def test_probes_cost_at_most_their_share() -> None:
+    probes = ProbeBudget([0, 1, 3, 7], share=0.05)
+    chosen = WidthChoice(0, 0, 4.0, 10.0)
+    taken = [probes.probe(chosen, lambda w: 10.0 + 10.0 * w) for _ in range(2000)]
+    widths = [w for w in taken if w is not None]
+    assert widths and set(widths) <= {1, 3, 7}  # never the chosen width
+    time_spent = sum(10.0 + 10.0 * w - 10.0 for w in widths)
+    assert time_spent <= 0.05 * 2000 * 10.0 * 1.01  # the extra time of probes stays within the share
+    assert ProbeBudget([0, 1], share=0.0).probe(chosen, lambda w: 1.0) is None
