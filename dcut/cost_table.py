@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,45 @@ class CostTable:
             raise FingerprintMismatch(f"cost table {path} was measured on something else: "
                                       f"{_differences(fingerprint, table.fingerprint)}")
         return table
+
+
+class EngineOverhead:
+    """The engine's time per step outside the model (scheduling, bookkeeping, detokenising the
+    outputs), as ``a + b * tokens emitted``, fitted by least squares on recent steps.
+
+    Measured between the end of one step's drafting and the start of the next step. Samples are
+    clipped to ``max_ms`` (an idle engine, a pause between requests, is not overhead); the fit is
+    redone every ``refit`` samples and kept non-negative; with too little spread in tokens it is a
+    single per-token rate.
+    """
+
+    def __init__(self, window: int = 256, refit: int = 16, max_ms: float = 50.0) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self.refit, self.max_ms = refit, max_ms
+        self.per_step_ms, self.per_token_ms = 0.0, 0.0
+        self._since = 0
+
+    def add(self, tokens: int, ms: float) -> None:
+        if tokens <= 0 or not 0.0 <= ms <= self.max_ms:
+            return
+        self._samples.append((float(tokens), ms))
+        self._since += 1
+        if self._since >= self.refit or len(self._samples) < self.refit:
+            self._since = 0
+            self._fit()
+
+    def ms(self, tokens: float | np.ndarray) -> float | np.ndarray:
+        return self.per_step_ms + self.per_token_ms * tokens
+
+    def _fit(self) -> None:
+        data = np.asarray(self._samples)
+        x, y = data[:, 0], data[:, 1]
+        if len(data) >= 8 and np.ptp(x) > 0.2 * x.mean():
+            slope, intercept = np.polyfit(x, y, 1)
+            if slope >= 0 and intercept >= 0:
+                self.per_step_ms, self.per_token_ms = float(intercept), float(slope)
+                return
+        self.per_step_ms, self.per_token_ms = 0.0, float(np.median(y / x))
 
 
 class StepCost:

@@ -5,12 +5,12 @@ pass, not verification, dominates a speculative step (``docs/benchmarks.md``). B
 ``choose_width`` picks the width W (0 = draft nothing) that maximises expected tokens per
 second of the whole step::
 
-    U(W) = max over d <= W of  E / (C_verify(bs, bs * (1 + d)) + C_draft(bs, W) + o * E),  E = bs * (1 + S_W(d))
+    U(W) = max over d <= W of  E / (C_verify(bs, bs * (1 + d)) + C_draft(bs, W) + O(E)),  E = bs * (1 + S_W(d))
 
 where ``S_W(d)`` is the expected number of accepted drafts among the first d of a block drafted
 at width W (acceptance depends on W: the DFlash block is non-causal). The uniform depth d is a
 conservative stand-in for the global top-k that runs after drafting on the real confidences;
-``o`` is the engine's measured per-token overhead outside the model.
+``O(E)`` is the engine's measured overhead outside the model for a step emitting E tokens.
 
 Acceptance is learned per width from what verification shows (``WidthStats``); positions that
 are never verified would never be learned, so ``ProbeBudget`` spends a bounded share of time on
@@ -109,11 +109,11 @@ class WidthChoice:
 def width_utilities(bs: int, widths: Sequence[int], survival: np.ndarray,
                     verify_ms: Callable[[int, np.ndarray], np.ndarray | None],
                     draft_ms: Callable[[int, np.ndarray], np.ndarray | None],
-                    overhead_ms_per_token: float) -> list[WidthChoice | None]:
+                    overhead_ms: Callable[[np.ndarray], np.ndarray]) -> list[WidthChoice | None]:
     """The best (depth, estimate) of each width; all None where a cost is unknown for this batch size.
 
     The engine's work outside the model (scheduling, sampled-token bookkeeping, detokenising the
-    outputs) grows with the tokens a step emits, so it is priced per expected token.
+    outputs) grows with the tokens a step emits: ``overhead_ms(tokens)`` prices it.
 
     Vectorised over widths and depths (it runs before every drafting pass): one cost lookup for
     all verify sizes ``bs * (1 + d)``, one for all widths.
@@ -126,7 +126,7 @@ def width_utilities(bs: int, widths: Sequence[int], survival: np.ndarray,
         return [None] * len(widths)
     gains = np.concatenate([np.zeros((len(widths), 1)), np.cumsum(survival, axis=1)], axis=1)
     tokens = bs * (1.0 + gains)
-    step = verify[None, :] + draft[:, None] + overhead_ms_per_token * tokens
+    step = verify[None, :] + draft[:, None] + overhead_ms(tokens)
     rate = np.where(depths[None, :] <= np.asarray(widths)[:, None], tokens / step, -np.inf)
     best = rate.argmax(axis=1)
     rows = np.arange(len(widths))
@@ -148,6 +148,44 @@ def choose_width(choices: Sequence[WidthChoice | None], current: int | None, hys
     if held is not None and best.tokens_per_s <= (1.0 + hysteresis) * held.tokens_per_s:
         return held
     return best
+
+
+class RealizedRates:
+    """What each width actually delivered, per batch-size bucket: tokens emitted over time spent.
+
+    A width chosen at step n is paid for by step n's drafter pass, the engine's time between the
+    steps and step n+1's verification, and it yields step n+1's emitted tokens (bonus plus
+    accepted drafts). Those cycles, averaged (EMA after ``1/weight`` samples), are the ground truth
+    the cost model only predicts: once a width has ``min_samples`` cycles in a bucket, its
+    measured rate replaces the estimate (``apply``). The model still prices widths never tried,
+    which is how they get tried; probes keep the others fresh.
+    """
+
+    def __init__(self, min_samples: int = 3, weight: float = 0.1) -> None:
+        self.min_samples, self.weight = min_samples, weight
+        self._cells: dict[tuple[int, int], tuple[float, float, int]] = {}
+
+    def add(self, bucket: int, width: int, tokens: float, ms: float) -> None:
+        if ms <= 0:
+            return
+        t, m, n = self._cells.get((bucket, width), (tokens, ms, 0))
+        w = max(self.weight, 1.0 / (n + 1))
+        self._cells[(bucket, width)] = (t + w * (tokens - t), m + w * (ms - m), n + 1)
+
+    def apply(self, bucket: int, choices: Sequence[WidthChoice | None]) -> list[WidthChoice | None]:
+        """``choices`` with the measured tokens per step and step time where there are enough cycles."""
+        out: list[WidthChoice | None] = []
+        for c in choices:
+            cell = None if c is None else self._cells.get((bucket, c.width))
+            if c is not None and cell is not None and cell[2] >= self.min_samples:
+                c = WidthChoice(c.width, c.depth, cell[0], cell[1])
+            out.append(c)
+        return out
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{"bucket/width": {"tokens_per_s", "samples"}}`` for the snapshot."""
+        return {f"{b}/{w}": {"tokens_per_s": 1000.0 * t / m, "samples": n}
+                for (b, w), (t, m, n) in sorted(self._cells.items())}
 
 
 class ProbeBudget:

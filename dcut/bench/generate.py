@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import statistics
@@ -68,7 +69,7 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
     settings = settings.model_copy(update={"max_num_seqs": max(batch_sizes)})
     with_dcut = settings.dcut is not None and settings.method != "none"
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(settings))
+    llm = _build_engine(LLM, engine_kwargs(settings))
     startup_s = time.perf_counter() - start
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
     results = []
@@ -125,3 +126,20 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
         })
     del llm
     return results
+
+
+def _build_engine(llm_cls: Any, kwargs: dict[str, Any]) -> Any:
+    """``LLM(**kwargs)`` with the garbage collector held off while it compiles.
+
+    vLLM's CPU GEMM handles (``vllm._custom_ops.CPUDNNLGEMMHandler``) call ``.item()`` in
+    ``__del__``; when an earlier engine's handles are collected while dynamo traces the new engine
+    under fake-tensor mode, that raises inside ``__del__``, prints a recursive repr, and once in a
+    while overflows the stack and aborts the process. Collect first, then build with GC off.
+    """
+    gc.collect()
+    gc.disable()
+    try:
+        return llm_cls(**kwargs)
+    finally:
+        gc.enable()
+

@@ -4,46 +4,79 @@ A DFlash drafter's state is the K/V it writes, for every token the target proces
 target's hidden states. Not drafting a step still owes it those writes, and vLLM's own K=0 path
 pays them with a whole drafter pass every step (several plain steps' worth on small targets).
 ``ContextStash`` keeps the step's hidden states, positions and slots instead, and writes them all
-in one batched ``precompute_and_store_context_kv`` before the drafter next reads its cache, or
-before any KV block could change hands (a request finished or was preempted). The K/V written
-is exactly what the per-step path would have written, so acceptance is unaffected.
+in one batched ``precompute_and_store_context_kv`` before the drafter next reads its cache. Rows
+of a request that finished or was preempted are dropped, never written: their K/V would never be
+read, and their KV blocks may already belong to another request. The K/V written is exactly what
+the per-step path would have written, so acceptance is unaffected; a run of width-0 steps that
+ends with its requests costs nothing at all. A run longer than ``MAX_STASHED_TOKENS`` tokens
+forgets its oldest steps instead of writing them: width 0 that long means drafting does not pay
+here, and if it resumes those positions are holes in the drafter's context (lower acceptance,
+never a different output: verification is unchanged).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-MAX_STASHED_TOKENS = 8192  # bounds memory; a longer run of width-0 steps is written out early
+MAX_STASHED_TOKENS = 16384  # bounds memory (x the target's aux hidden width x 4 bytes)
+
+
+@dataclass
+class _Entry:
+    hidden: Tensor
+    positions: Tensor
+    slots: Tensor
+    owners: list[str]  # the request of each run of rows, in order
+    counts: list[int]  # rows per owner
 
 
 class ContextStash:
     """Target hidden states of width-0 steps, waiting to become drafter K/V."""
 
     def __init__(self) -> None:
-        self._hidden: list[Tensor] = []
-        self._positions: list[Tensor] = []
-        self._slots: list[Tensor] = []
+        self._entries: list[_Entry] = []
         self.tokens = 0
 
     def __len__(self) -> int:
         return self.tokens
 
-    def add(self, hidden: Tensor, positions: Tensor, slots: Tensor) -> None:
-        """Keep one step's context (copied: the runner reuses its buffers)."""
-        self._hidden.append(hidden.clone())
-        self._positions.append(positions.clone())
-        self._slots.append(slots.clone())
+    def add(self, hidden: Tensor, positions: Tensor, slots: Tensor, owners: list[str], counts: list[int]) -> None:
+        """Keep one step's context: ``hidden`` the target's (concatenated) hidden states, a fresh tensor;
+        positions and slots copied (the runner reuses those buffers); rows belong to ``owners[j]``
+        in runs of ``counts[j]``. The drafter's input projection runs at flush, batched: on CPU one
+        small GEMM per step costs more than the whole stash."""
+        self._entries.append(_Entry(hidden, positions.clone(), slots.clone(), owners, counts))
         self.tokens += hidden.shape[0]
+        while self.tokens > MAX_STASHED_TOKENS and len(self._entries) > 1:
+            self.tokens -= self._entries.pop(0).hidden.shape[0]
+
+    def drop(self, req_ids: set[str]) -> None:
+        """Forget the rows of requests that finished or were preempted: their K/V will never be
+        read (a preempted request recomputes its context), and their slots may change hands."""
+        kept = []
+        for e in self._entries:
+            if not req_ids.intersection(e.owners):
+                kept.append(e)
+                continue
+            keep = torch.repeat_interleave(torch.tensor([r not in req_ids for r in e.owners]),
+                                           torch.tensor(e.counts)).to(e.slots.device)
+            owners = [(r, n) for r, n in zip(e.owners, e.counts, strict=True) if r not in req_ids]
+            if owners:
+                kept.append(_Entry(e.hidden[keep], e.positions[keep], e.slots[keep],
+                                   [r for r, _ in owners], [n for _, n in owners]))
+        self._entries = kept
+        self.tokens = sum(e.hidden.shape[0] for e in kept)
 
     def flush(self, drafter_model: Any) -> None:
         """Write every kept token's context K/V into the drafter's cache, then forget them."""
         if not self.tokens:
             return
-        hidden = self._hidden[0] if len(self._hidden) == 1 else torch.cat(self._hidden)
-        positions = self._positions[0] if len(self._positions) == 1 else torch.cat(self._positions)
-        slots = self._slots[0] if len(self._slots) == 1 else torch.cat(self._slots)
-        self._hidden, self._positions, self._slots, self.tokens = [], [], [], 0
+        entries, self._entries, self.tokens = self._entries, [], 0
+        hidden = torch.cat([e.hidden for e in entries])
+        positions = torch.cat([e.positions for e in entries])
+        slots = torch.cat([e.slots for e in entries])
         drafter_model.precompute_and_store_context_kv(drafter_model.combine_hidden_states(hidden), positions, slots)

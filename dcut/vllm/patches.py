@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dcut.vllm.catch_up import MAX_STASHED_TOKENS, ContextStash
+from dcut.vllm.catch_up import ContextStash
 from dcut.vllm.state import RunnerDCut, fingerprint_for, settings_from_config
 from dcut.width import widths_for
 
@@ -190,8 +190,9 @@ def _runner_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         state = runner_dcut(self)
         if state is not None:
             stash = self.__dict__.get("_dcut_stash")
-            if stash and (scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
-                stash.flush(self.drafter.model)  # their blocks may be handed to new requests now
+            gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+            if stash and gone:
+                stash.drop(gone)  # their blocks may be handed to new requests now
             state.begin_step(scheduler_output.num_scheduled_tokens,
                              scheduler_output.scheduled_spec_decode_tokens)
         return original(self, scheduler_output, *args, **kwargs)
@@ -216,10 +217,9 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
             # Nothing was verified this step: the drafter's context is exactly the scheduled tokens.
             n = scheduler_output.total_num_scheduled_tokens
             context = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if self.use_aux_hidden_state_outputs
-                       else hidden_states[:n])
-            stash.add(context, self._get_positions(n), common_attn_metadata.slot_mapping[:n])
-            if len(stash) > MAX_STASHED_TOKENS:
-                stash.flush(self.drafter.model)
+                       else hidden_states[:n].clone())
+            counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+            stash.add(context, self._get_positions(n), common_attn_metadata.slot_mapping[:n], req_ids, counts)
             drafts = torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
         else:
             if stash:

@@ -31,18 +31,16 @@ from torch import Tensor
 
 import dcut
 from dcut.calibration import Calibrator
-from dcut.cost_table import CostTable, Fingerprint, StepCost, current_hardware, profile_cost_table
+from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, current_hardware, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
-from dcut.width import ProbeBudget, WidthStats, choose_width, width_utilities, widths_for
+from dcut.width import ProbeBudget, RealizedRates, WidthStats, choose_width, width_utilities, widths_for
 
 logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
-OVERHEAD_GAP_S = 0.5  # a longer gap between steps is an idle engine, not per-step overhead
-OVERHEAD_EMA = 0.05
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
 
 
@@ -64,6 +62,17 @@ class _Verified:
     num_draft: Tensor  # drafts verified per request (what was scheduled)
     accepted: Tensor  # drafts accepted per request
     width: int  # the width those drafts were drafted at
+
+
+@dataclass
+class _Cycle:
+    """A width's cost from its drafter pass to the verification of its drafts (mode joint)."""
+
+    bucket: int  # covering batch size
+    width: int
+    probe: bool  # probes verify everything: not what the width delivers under the policy
+    ms: float
+    clean: bool = False  # the engine went straight on to the next step
 
 
 @dataclass
@@ -115,6 +124,8 @@ class RunnerDCut:
         self.widths = widths_for(k, settings.widths) if self.joint else [k]
         self.width_stats = WidthStats(self.widths, k)
         self.probes = ProbeBudget(self.widths, settings.probe_share)
+        self.realized = RealizedRates()
+        self._cycle: _Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None
         self.cost_source = "none"
         self.calibrators = {w: Calibrator(w) for w in self.widths if w} if settings.calibrate else {}
@@ -129,8 +140,10 @@ class RunnerDCut:
         self._draft_end: float | None = None
         self._verify_ms: float | None = None
         self._draft_ms: float | None = None
-        self.overhead_ms = 0.0  # EMA of engine time per emitted token outside the measured step
+        self.overhead = EngineOverhead()  # engine time outside execute_model..drafter, by tokens emitted
         self._emitted = 0  # tokens the last recorded step emitted (bs + accepted drafts)
+        self._finished_cycle: _Cycle | None = None
+        self._step_bs = 0
         self.width = k  # the width drafted this step
         self.probe = False
         self._held: int | None = None  # the width hysteresis holds on to
@@ -170,10 +183,14 @@ class RunnerDCut:
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
         self._step_start = time.perf_counter()
-        gap = None if self._draft_end is None else self._step_start - self._draft_end
-        if gap is not None and self._emitted and gap < OVERHEAD_GAP_S:
-            self.overhead_ms += OVERHEAD_EMA * (gap * 1000.0 / self._emitted - self.overhead_ms)
+        if self._draft_end is not None:
+            gap_ms = (self._step_start - self._draft_end) * 1000.0
+            self.overhead.add(self._emitted, gap_ms)
+            if self._cycle is not None:
+                self._cycle.ms += gap_ms
+                self._cycle.clean = gap_ms <= self.overhead.max_ms  # not an idle engine
         self._draft_end = None
+        self._step_bs = len(num_scheduled)
         pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
         self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
 
@@ -191,7 +208,10 @@ class RunnerDCut:
         if not self.joint or table is None or bs <= 0:
             return self.width
         choices = width_utilities(bs, self.widths, self.width_stats.survival(), table.lookup_many,
-                                  table.draft_costs, self.overhead_ms)
+                                  table.draft_costs, self.overhead.ms)
+        bucket = table.covering(bs)
+        if bucket is not None:
+            choices = self.realized.apply(bucket, choices)
         chosen = choose_width(choices, self._held, self.settings.width_hysteresis)
         if chosen is None:  # beyond the cost table: draft everything, the fallback ratio cuts
             self.width = min(scheduled_width, self.k)
@@ -205,7 +225,7 @@ class RunnerDCut:
         """Estimated step time drafting ``width`` and verifying all of it (a probe)."""
         assert self.cost_table is not None
         verify, draft = self.cost_table.lookup(bs, bs * (1 + width)), self.cost_table.draft_cost(bs, width)
-        return None if verify is None or draft is None else verify + draft + self.overhead_ms * bs * (1 + width)
+        return None if verify is None or draft is None else verify + draft + float(self.overhead.ms(bs * (1 + width)))
 
     def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
                    num_draft_tokens: list[int] | None) -> None:
@@ -213,6 +233,13 @@ class RunnerDCut:
         self._draft_end = time.perf_counter()
         self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
         self._draft_start = None
+        bucket = None if self.cost_table is None else self.cost_table.covering(len(req_ids))
+        finished = self._cycle
+        self._cycle = None if bucket is None or self._draft_ms is None else _Cycle(bucket, self.width, self.probe,
+                                                                                   self._draft_ms)
+        if finished is not None and self._verify_ms is not None and not finished.probe:
+            finished.ms += self._verify_ms
+            self._finished_cycle = finished
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
             accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0)
@@ -230,7 +257,7 @@ class RunnerDCut:
         calibrator = self.calibrators.get(log_conf.shape[-1])
         scored = calibrator.calibrate(log_conf) if calibrator is not None else log_conf
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
-                                                             self.overhead_ms * log_conf.shape[0])
+                                                             float(self.overhead.ms(log_conf.shape[0])))
         keep, decision = select(scored, self.settings, cost)
         self._pending = _Pending(keep, decision, log_conf, (time.perf_counter() - start) * 1e6)
 
@@ -274,8 +301,12 @@ class RunnerDCut:
         decision = pending.decision if pending is not None else None
         proposed = int(pending.log_conf.numel()) if pending is not None else 0
         kept = int(decision.kept) if decision is not None else proposed
-        bs = len(verified.req_ids) if verified is not None else 0
+        bs = self._step_bs
         self._emitted = bs + accepted_total
+        c = self._finished_cycle
+        if c is not None and self.joint and c.clean and self._step_shape is not None:  # no prefill in it
+            self.realized.add(c.bucket, c.width, self._emitted, c.ms)
+        self._finished_cycle = None
         record = StepRecord(
             timestamp=time.time(),
             batch_size=bs,
@@ -325,7 +356,7 @@ class RunnerDCut:
         out = []
         for b in sizes:
             best = choose_width(width_utilities(b, self.widths, survival, table.lookup_many, table.draft_costs,
-                                                self.overhead_ms), None, 0.0)
+                                                self.overhead.ms), None, 0.0)
             if best is not None and best.step_ms > 0:
                 out.append(ThroughputEstimate(b, best.tokens_per_step, best.step_ms, best.tokens_per_s,
                                               best.tokens_per_s / b))
@@ -356,10 +387,11 @@ class RunnerDCut:
             "selection_us_median": statistics.median(sel) if (sel := [
                 r.selection_us for r in self.window.records if r.selection_us]) else None,
             "estimates": [asdict(e) for e in self.estimates()],
-            "overhead_ms": self.overhead_ms,
+            "overhead_ms": {"per_step": self.overhead.per_step_ms, "per_token": self.overhead.per_token_ms},
             "cost_table": None if self.cost_table is None else self.cost_table.to_json(),
         }
         if self.joint:
+            out["width_realized"] = self.realized.summary()
             out["width_observations"] = {str(w): n for w, n in self.width_stats.observations().items()}
             out["width_survival"] = {str(w): row for w, row in zip(self.widths, self.width_stats.survival().tolist(),
                                                                     strict=True)}

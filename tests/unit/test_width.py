@@ -35,6 +35,10 @@ def test_unobserved_width_borrows_the_pooled_rate() -> None:
     assert q[0, 0] > 0.9  # width 2 never observed: pooled towards width 4's rate, not the 0.5 prior
 
 
+def no_overhead(tokens: np.ndarray) -> np.ndarray:
+    return 0.0 * tokens
+
+
 def flat_verify(bs: int, tokens: np.ndarray) -> np.ndarray:
     return 10.0 + 0.0 * tokens
 
@@ -46,20 +50,20 @@ def steep_verify(bs: int, tokens: np.ndarray) -> np.ndarray:
 def test_utilities_pick_drafting_when_cheap_and_accepted() -> None:
     widths = [0, 2, 4]
     survival = np.array([[0, 0, 0, 0], [0.9, 0.8, 0, 0], [0.9, 0.8, 0.7, 0.6]])
-    cheap = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 0.1 * w, 0.0)
+    cheap = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 0.1 * w, no_overhead)
     assert choose_width(cheap, None, 0.0).width == 4  # verify is flat, drafting nearly free
-    dear = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 50.0 * w, 0.0)
+    dear = width_utilities(4, widths, survival, flat_verify, lambda bs, w: 50.0 * w, no_overhead)
     assert choose_width(dear, None, 0.0).width == 0  # the drafter costs more than it brings
-    steep = width_utilities(4, widths, survival, steep_verify, lambda bs, w: 0.0 * w, 0.0)
+    steep = width_utilities(4, widths, survival, steep_verify, lambda bs, w: 0.0 * w, no_overhead)
     best = choose_width(steep, None, 0.0)
     assert best.width in (2, 4) and best.depth == 1  # verification per token dominates: cut the depth
     assert steep[0].tokens_per_step == 4 and steep[0].step_ms == pytest.approx(5.0)  # tokens / step time
-    big = width_utilities(64, widths, survival, steep_verify, lambda bs, w: 0.0 * w, 0.0)
+    big = width_utilities(64, widths, survival, steep_verify, lambda bs, w: 0.0 * w, no_overhead)
     assert choose_width(big, None, 0.0).width == 0  # at bs 64 no draft pays its verify cost
 
 
 def test_unknown_costs_give_no_choice() -> None:
-    out = width_utilities(4, [0, 2], np.zeros((2, 2)), lambda bs, t: None, lambda bs, w: 0.0 * w, 0.0)
+    out = width_utilities(4, [0, 2], np.zeros((2, 2)), lambda bs, t: None, lambda bs, w: 0.0 * w, no_overhead)
     assert out == [None, None] and choose_width(out, None, 0.0) is None
 
 
