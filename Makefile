@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test serve lint sweep loadtest
+.PHONY: setup test test-unit serve lint sweep loadtest
 
 setup: $(STAMP)
 
@@ -25,13 +25,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+test-unit: lint   # pure logic on synthetic tensors and stub-free vLLM imports: no engine, under a minute
+	$(PY) -m pytest -q --durations=5 tests/unit
 
 serve: $(STAMP)
 	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run app.config.yaml
 
 sweep: $(STAMP)
-	$(VENV)/bin/dcut sweep --out docs/sweep
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --out docs/sweep
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --model models/moe --draft models/moe-dflash \
+		--out docs/sweep-moe
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest.run --out docs/loadtest

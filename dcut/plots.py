@@ -12,15 +12,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_cost_table(table_json: dict[str, Any], out: Path, title: str = "") -> Path:
-    """Step cost (ms) against verify tokens, one line per profiled batch size."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """The two costs, one line per profiled batch size: verification against verify tokens (left)
+    and the drafter's pass against drafted width (right)."""
+    fig, (verify, draft) = plt.subplots(1, 2, figsize=(11, 4.5))
     for bs, points in sorted(table_json["points"].items(), key=lambda kv: int(kv[0])):
-        tokens = [p[0] for p in points]
-        ms = [p[1] for p in points]
-        ax.plot(tokens, ms, marker="o", label=f"bs={bs}")
-    ax.set_xlabel("verify tokens per step (bs + kept drafts)")
-    ax.set_ylabel("step cost (ms)")
-    return _finish(fig, ax, out, title or "D-Cut cost table")
+        verify.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"bs={bs}")
+    verify.set_xlabel("verify tokens per step (bs + kept drafts)")
+    verify.set_ylabel("verify cost (ms)")
+    for bs, cells in sorted(table_json.get("draft", {}).items(), key=lambda kv: int(kv[0])):
+        widths = sorted(cells, key=int)
+        draft.plot([int(w) for w in widths], [cells[w][0] for w in widths], marker="o", label=f"bs={bs}")
+    draft.set_xlabel("drafted width (positions per request)")
+    draft.set_ylabel("drafter cost (ms)")
+    draft.grid(alpha=0.3)
+    draft.legend(fontsize=8)
+    return _finish(fig, verify, out, title or "D-Cut cost table")
 
 
 def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
 
-HELP = "Profile the verify-step cost table for a model/drafter/K/TP; write cost_table.json and a PNG."
+HELP = "Profile the two-part cost table (verify by tokens, drafter by width) for a model/drafter/K/TP."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                                             "profile_batch_sizes": sizes, "profile_warmups": args.warmups,
                                             "profile_repeats": args.repeats})
         settings = base.model_copy(update={"dcut": dcut, "max_num_seqs": max(sizes)})
-        llm = LLM(**engine_kwargs(settings))
+        llm = LLM(**engine_kwargs(settings))  # profiles the verify rows and the drafter at every width
         table = read_cost_table(llm)
     if table is None:
         raise CommandError("the engine did not produce a cost table")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -42,13 +43,17 @@ logger = logging.getLogger("vllm.dcut")
 
 EXPECTED_VLLM_VERSION = "0.32.0"
 CONFIDENT_METHODS = ("dflash", "draft_model", "eagle", "eagle3")
-_installed = False
+_originals: list[tuple[type, str, Any]] = []  # what install replaced, for uninstall
+
+# The leading parameters each wrapper binds by position: checked against vLLM's signature at install.
+_RUNNER_PROPOSE_PARAMS = ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                          "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+                          "common_attn_metadata")
 
 
 def install() -> None:
     """Apply the patches (idempotent). Called by the ``vllm.general_plugins`` entry point."""
-    global _installed
-    if _installed:
+    if _originals:
         return
     import vllm
     from vllm.config import VllmConfig
@@ -61,11 +66,12 @@ def install() -> None:
         from vllm.v1.worker.gpu_worker import Worker
 
         _wrap(SpecDecodeBaseProposer, "propose", _proposer_propose)
-        _wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", _proposer_sample_draft_tokens)
-        _wrap(GPUModelRunner, "execute_model", _runner_execute_model)
-        _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs)
-        _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids)
-        _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids)
+        _wrap(SpecDecodeBaseProposer, "_sample_draft_tokens", _proposer_sample_draft_tokens,
+              ("self", "hidden_states", "sampling_metadata"))
+        _wrap(GPUModelRunner, "execute_model", _runner_execute_model, ("self", "scheduler_output"))
+        _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs, ("self", "scheduler_output"))
+        _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids, _RUNNER_PROPOSE_PARAMS)
+        _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids, ("self",))
         _wrap(Worker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
         try:
             from vllm.v1.worker.cpu_worker import CPUWorker
@@ -73,18 +79,32 @@ def install() -> None:
             CPUWorker = None  # noqa: N806
         if CPUWorker is not None:
             _wrap(CPUWorker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
-    _installed = True
 
 
-def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it."""
+def uninstall() -> None:
+    """Put every wrapped vLLM function back (tests; a process that wants vLLM untouched)."""
+    while _originals:
+        owner, name, original = _originals.pop()
+        setattr(owner, name, original)
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+          params: tuple[str, ...] = ()) -> None:
+    """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it, or if
+    the leading parameters the wrapper binds by position are not the ones it was written for."""
+    where = f"{owner.__module__}.{owner.__qualname__}.{name}"
     original = owner.__dict__.get(name)
     if original is None:
-        raise RuntimeError(f"dcut-serve: vLLM {owner.__module__}.{owner.__qualname__}.{name} not found; "
-                           f"this D-Cut build patches vLLM {EXPECTED_VLLM_VERSION} only")
+        raise RuntimeError(f"dcut-serve: vLLM {where} not found; this D-Cut build patches vLLM "
+                           f"{EXPECTED_VLLM_VERSION} only")
+    found = tuple(inspect.signature(original).parameters)[: len(params)]
+    if found != params:
+        raise RuntimeError(f"dcut-serve: vLLM {where} takes {found}, this D-Cut build expects {params} "
+                           f"(written for vLLM {EXPECTED_VLLM_VERSION})")
     wrapper = functools.wraps(original)(make(original))
-    wrapper.__dcut_wraps__ = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    wrapper.__dcut_wraps__ = where
     setattr(owner, name, wrapper)
+    _originals.append((owner, name, original))
 
 
 def runner_dcut(runner: Any) -> RunnerDCut | None:
@@ -160,10 +180,11 @@ def _proposer_sample_draft_tokens(original: Callable[..., Any]) -> Callable[...,
             return original(self, hidden_states, sampling_metadata)
         greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
         if greedy and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab:
-            # The same logits vLLM's _greedy_sample computes; we also keep log p(token).
-            logits = self.model.compute_logits(hidden_states)
-            tokens = logits.argmax(dim=-1)
-            sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens))
+            # The same logits vLLM's _greedy_sample computes; we also keep log p(token) = max - logsumexp,
+            # without materialising [rows, vocab] log-probabilities.
+            logits = self.model.compute_logits(hidden_states).float()
+            top, tokens = logits.max(dim=-1)
+            sink.append(top - torch.logsumexp(logits, dim=-1))
             return tokens, None
         tokens, probs = original(self, hidden_states, sampling_metadata)
         if probs is not None:  # sampled drafting: the probability of the sampled token

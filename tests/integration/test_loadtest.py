@@ -40,7 +40,7 @@ def loadtest_app(ray_cluster, tiny_models, tmp_path_factory):
             "cache_dir": str(tmp_path_factory.mktemp("loadtest-cache"))}
     args = {
         "engine": {"model": str(tiny_models["target"]), "draft": str(tiny_models["dflash"]), "method": "dflash",
-                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256,
+                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
         "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "max_ongoing_requests": 8,
                            "max_queued_requests": 16, "profile_wait_s": 60,

@@ -21,7 +21,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "if x > 0:", "while True:",
            "return self", "print("] * 2
-MODES = ("full", "fixed", "auto", "continuous")
+MODES = ("full", "fixed", "auto", "continuous", "joint")
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +34,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cost-cache")
 
 
-def _settings(tiny: dict[str, Path], method: str, mode: str, cache_dir: Path) -> EngineSettings:
+def _settings(tiny: dict[str, Path], method: str, mode: str, cache_dir: Path, **dcut: object) -> EngineSettings:
+    """Eager engines: these tests check correctness, and eager engines start in seconds."""
     draft = {"none": None, "dflash": tiny["dflash"], "draft_model": tiny["draft"]}[method]
-    dcut = DCutSettings(mode="off" if mode == "full" else mode, cache_dir=str(cache_dir),
-                        profile_batch_sizes=[1, 4, 16], profile_warmups=0, profile_repeats=1)
+    settings = DCutSettings(mode="off" if mode == "full" else mode, cache_dir=str(cache_dir),
+                            profile_batch_sizes=[1, 4, 16], profile_warmups=0, profile_repeats=1, **dcut)
     return EngineSettings(model=str(tiny["target"]), draft=None if draft is None else str(draft), method=method,
                           num_speculative_tokens=7 if method == "dflash" else 3, max_num_seqs=16,
-                          max_model_len=256, dcut=None if method == "none" else dcut)
+                          max_model_len=256, enforce_eager=True, dcut=None if method == "none" else settings)
 
 
 def _run(settings: EngineSettings) -> dict:
@@ -82,16 +83,50 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
     assert full["mean_keep_ratio"] == pytest.approx(1.0)
     assert fixed["mean_keep_ratio"] < 0.9, "fixed ratio 0.5 must cut drafts"
     assert results["auto"]["table"] is not None and results["auto"]["table"]["fingerprint"]["k"] in (3, 7)
+    joint = results["joint"]["stats"]
+    assert sum(joint["window"]["width_histogram"].values()) > 0, "joint records the width it drafted each step"
+    assert set(results["joint"]["table"]["draft"]["1"]) >= {"0", "1"}, "draft cost profiled per width"
     if method == "draft_model":
         # The drafter is a copy of the target: every *scheduled* draft is accepted. If pruned drafts
         # were counted as rejected, vLLM's acceptance would fall with the keep ratio.
-        for mode in ("fixed", "auto", "continuous"):
+        for mode in ("fixed", "auto", "continuous", "joint"):
             res = results[mode]
             if mode == "fixed":  # auto (at K=3 its 25% bucket is zero drafts) and continuous may verify none
                 assert res["drafted"], mode
             if res["drafted"]:
                 assert res["accepted"] / res["drafted"] > 0.95, (mode, res["drafted"], res["accepted"])
         assert results["fixed"]["drafted"] < results["full"]["drafted"]
+
+
+@pytest.fixture
+def forced_widths(monkeypatch: pytest.MonkeyPatch):
+    """A fixed width schedule instead of the timing-driven choice: 0, 0, 0, K, ... by step count,
+    so two engines that differ only in how width 0 keeps the drafter in sync draft the same steps."""
+    from dcut.vllm.state import RunnerDCut
+
+    timed = RunnerDCut.choose_width
+
+    def choose_width(self: RunnerDCut, bs: int, scheduled_width: int) -> int:
+        timed(self, bs, scheduled_width)  # keeps the step clocks running
+        self.probe = False
+        self.width = self.k if self.steps % 4 == 3 else 0
+        return self.width
+
+    monkeypatch.setattr(RunnerDCut, "choose_width", choose_width)
+
+
+def test_catch_up_keeps_the_drafter_in_sync(tiny, cache_dir, plain, forced_widths):
+    """Width 0 by catch-up (context K/V written later, batched) drafts exactly what vLLM's own K=0
+    path (a drafter pass every step) drafts: same accepted drafts, step for step, and the output of
+    the target alone."""
+    runs = {zw: _run(_settings(tiny, "dflash", "joint", cache_dir, zero_width=zw)) for zw in ("catch_up", "vllm")}
+    for zw, res in runs.items():
+        assert res[1] == plain[1] and res[16] == plain[16], zw
+        assert res["drafted"], f"{zw}: the forced schedule drafts every fourth step"
+    catch_up, vllm_k0 = runs["catch_up"], runs["vllm"]
+    assert (catch_up["drafted"], catch_up["accepted"]) == (vllm_k0["drafted"], vllm_k0["accepted"])
+    assert catch_up["stats"]["window"]["position_acceptance"] == vllm_k0["stats"]["window"]["position_acceptance"]
+    assert catch_up["accepted"] > 0, "a drafter with holes in its context would accept little or nothing"
 
 
 def test_cost_table_cached_and_reused(tiny, cache_dir):
@@ -123,7 +158,7 @@ def _generate_cli(tiny: dict[str, Path], env: dict[str, str], *extra: str) -> di
     prompts.write_text("\n".join(PROMPTS))
     cmd = [sys.executable, "-m", "dcut.cli", "generate", "--model", str(tiny["target"]), "--draft",
            str(tiny["dflash"]), "--k", "7", "--prompts", str(prompts), "--batch-size", "16", "--max-tokens", "16",
-           "--max-model-len", "256", "--json", *extra]
+           "--max-model-len", "256", "--enforce-eager", "--json", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -142,9 +177,10 @@ def test_multiprocess_engine_and_cli(tiny, cache_dir):
 def test_tensor_parallel_2(tiny, cache_dir):
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     none = _generate_cli(tiny, env, "--mode", "none", "--tp", "2")
-    fixed = _generate_cli(tiny, env, "--mode", "fixed", "--tp", "2", "--cache-dir", str(cache_dir))
-    assert fixed["token_ids_sha256"] == none["token_ids_sha256"]
-    assert fixed["mean_keep_ratio"] < 0.9
+    joint = _generate_cli(tiny, env, "--mode", "joint", "--tp", "2", "--cache-dir", str(cache_dir))
+    # Each rank times its own steps; rank 0's width is handed to the other (the drafter has collectives).
+    assert joint["token_ids_sha256"] == none["token_ids_sha256"]
+    assert joint["width_histogram"], "joint drafted at chosen widths on both ranks"
 
 
 def test_cli_errors_are_clear(tmp_path):

@@ -45,7 +45,7 @@ def _samples(model: Path, draft: Path | None, mode: str | None) -> list[tuple[in
     dcut = None if mode is None else DCutSettings(mode=mode, fixed_ratio=0.4, profile=False)
     settings = EngineSettings(model=str(model), draft=None if draft is None else str(draft),
                               method="none" if draft is None else "draft_model", num_speculative_tokens=3,
-                              max_num_seqs=64, max_model_len=128, dcut=dcut)
+                              max_num_seqs=64, max_model_len=128, enforce_eager=True, dcut=dcut)
     llm = LLM(**engine_kwargs(settings))
     params = [SamplingParams(temperature=1.0, max_tokens=POSITIONS, seed=i, ignore_eos=True) for i in range(N)]
     out = llm.generate(["def add(a, b):"] * N, params, use_tqdm=False)

@@ -31,7 +31,7 @@ def _args(models: dict, cache_dir, **replica) -> dict:
             "cache_dir": str(cache_dir)}
     return {
         "engine": {"model": str(models["target"]), "draft": str(models["dflash"]), "method": "dflash",
-                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256,
+                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
         "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "fault_injection_marker": FAULT,
                            "profile_wait_s": 300, **replica},

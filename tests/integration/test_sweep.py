@@ -14,7 +14,7 @@ from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-MODES = ["none", "full", "dynamic", "fixed-per-request", "auto"]
+MODES = ["none", "full", "dynamic", "fixed-per-request", "auto", "joint"]
 
 
 def test_sweep_two_batch_sizes(tmp_path):
@@ -24,7 +24,7 @@ def test_sweep_two_batch_sizes(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "dcut.cli", "sweep", "--bs", "1,4", "--modes", ",".join(MODES), "--model",
            str(tiny["target"]), "--draft", str(tiny["dflash"]), "--k", "3", "--prompts", str(prompts),
-           "--max-tokens", "12", "--max-model-len", "256", "--out", str(out)]
+           "--max-tokens", "12", "--max-model-len", "256", "--repeats", "2", "--enforce-eager", "--out", str(out)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,13 +34,19 @@ def test_sweep_two_batch_sizes(tmp_path):
     cells = {(r["mode"], r["bs"]): r for r in record["results"]}
     assert set(cells) == {(m, b) for m in MODES for b in (1, 4)}
     for (mode, bs), r in cells.items():
-        assert r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] > 0 and r["repeats"] == 2
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
         assert r["speedup_vs_none"] == pytest.approx(r["tokens_per_s"] / cells[("none", bs)]["tokens_per_s"])
         assert r["token_ids_sha256"] == cells[("none", bs)]["token_ids_sha256"], f"{mode} bs={bs} not lossless"
     for bs in (1, 4):  # fixed-per-request keeps auto's budget, spread evenly
         depth = cells[("fixed-per-request", bs)]["per_request_depth"]
         assert depth == round((cells[("auto", bs)]["mean_keep_ratio"] or 1.0) * 3)
     assert any("dynamic" in note for note in record["notes"])
+    fixed_k = {(c["k"], c["bs"]) for c in record["dynamic_fixed_k"]}
+    assert fixed_k >= {(1, 1), (3, 4)}, "the fixed-K runs dynamic was picked from"
+    for bs in (1, 4):
+        assert sum(cells[("joint", bs)]["width_histogram"].values()) > 0
+    assert (out / "cost_tables" / "joint.json").exists(), "refined cost tables are saved"
     table = (out / "sweep.md").read_text()
     assert "| mode | bs 1 | bs 4 | geo |" in table and "identical to `none` in every cell: **yes**" in table
     assert (out / "speedup.png").stat().st_size > 0 and (out / "cost_table.png").stat().st_size > 0

@@ -12,12 +12,28 @@ def test_every_patch_names_the_vllm_function_it_wraps() -> None:
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    def wrapped() -> list:
+        return [VllmConfig.__post_init__, SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer._sample_draft_tokens,
+                GPUModelRunner.execute_model, GPUModelRunner._prepare_inputs, GPUModelRunner.propose_draft_token_ids,
+                GPUModelRunner.take_draft_token_ids]
+
+    was_installed = bool(patches._originals)
     patches.install()
-    wrapped = [VllmConfig.__post_init__, SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer._sample_draft_tokens,
-               GPUModelRunner.execute_model, GPUModelRunner.propose_draft_token_ids,
-               GPUModelRunner.take_draft_token_ids]
-    names = [getattr(fn, "__dcut_wraps__", None) for fn in wrapped]
+    names = [getattr(fn, "__dcut_wraps__", None) for fn in wrapped()]
     assert all(n and n.startswith("vllm.") for n in names), names
+    patches.uninstall()  # reversible: vLLM's own functions come back
+    assert not any(hasattr(fn, "__dcut_wraps__") for fn in wrapped())
+    if was_installed:
+        patches.install()
+
+
+def test_changed_vllm_signature_fails_loudly() -> None:
+    class Runner:
+        def propose_draft_token_ids(self, scheduler_output, hidden_states):  # parameters moved
+            return None
+
+    with pytest.raises(RuntimeError, match="expects"):
+        patches._wrap(Runner, "propose_draft_token_ids", lambda original: original, patches._RUNNER_PROPOSE_PARAMS)
 
 
 def test_missing_vllm_function_fails_loudly() -> None:
