@@ -182,6 +182,9 @@ class RealizedRates:
             out.append(c)
         return out
 
+    def samples(self, bucket: int, width: int) -> int:
+        return self._cells.get((bucket, width), (0.0, 0.0, 0))[2]
+
     def summary(self) -> dict[str, dict[str, float]]:
         """``{"bucket/width": {"tokens_per_s", "samples"}}`` for the snapshot."""
         return {f"{b}/{w}": {"tokens_per_s": 1000.0 * t / m, "samples": n}
@@ -194,8 +197,8 @@ class ProbeBudget:
     A probe drafts a width other than the chosen one and verifies all of it, so acceptance at
     widths and positions D-Cut has stopped using stays known. Each step earns ``share`` of a
     step; a probe costs its step time in units of the chosen step's (at least one), so probes
-    take at most ``share`` of the time. Probe widths rotate; a dear one waits until the credit
-    covers it.
+    take at most ``share`` of the time. The width least measured is probed first (ties rotate); a
+    dear one waits until the credit covers it.
     """
 
     def __init__(self, widths: Sequence[int], share: float) -> None:
@@ -204,15 +207,18 @@ class ProbeBudget:
         self.credit = 0.0
         self._next = 0
 
-    def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None]) -> int | None:
-        """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w."""
+    def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
+              samples: Callable[[int], int] | None = None) -> int | None:
+        """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
+        ``samples(w)``: how much is known of w already (the least known is probed first)."""
         if self.share <= 0:
             return None
         self.credit += self.share
         candidates = [w for w in self.widths if w != chosen.width]
         if not candidates or self.credit < 1.0:
             return None
-        width = candidates[self._next % len(candidates)]
+        rotated = candidates[self._next % len(candidates):] + candidates[: self._next % len(candidates)]
+        width = min(rotated, key=samples) if samples is not None else rotated[0]
         cost = full_step_ms(width)
         price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
         if self.credit < price:

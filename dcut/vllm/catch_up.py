@@ -27,7 +27,7 @@ MAX_STASHED_TOKENS = 16384  # bounds memory (x the target's aux hidden width x 4
 
 @dataclass
 class _Entry:
-    hidden: Tensor
+    hidden: list[Tensor]  # the target's hidden states the drafter reads (several layers for DFlash)
     positions: Tensor
     slots: Tensor
     owners: list[str]  # the request of each run of rows, in order
@@ -44,15 +44,16 @@ class ContextStash:
     def __len__(self) -> int:
         return self.tokens
 
-    def add(self, hidden: Tensor, positions: Tensor, slots: Tensor, owners: list[str], counts: list[int]) -> None:
-        """Keep one step's context: ``hidden`` the target's (concatenated) hidden states, a fresh tensor;
-        positions and slots copied (the runner reuses those buffers); rows belong to ``owners[j]``
-        in runs of ``counts[j]``. The drafter's input projection runs at flush, batched: on CPU one
-        small GEMM per step costs more than the whole stash."""
+    def add(self, hidden: list[Tensor], positions: Tensor, slots: Tensor, owners: list[str],
+            counts: list[int]) -> None:
+        """Keep one step's context: ``hidden`` the target's hidden states per layer the drafter reads
+        (fresh tensors, not copied); positions and slots copied (the runner reuses those buffers);
+        rows belong to ``owners[j]`` in runs of ``counts[j]``. Concatenation and the drafter's input
+        projection run at flush, batched: on CPU, small per-step ops cost more than the stash."""
         self._entries.append(_Entry(hidden, positions.clone(), slots.clone(), owners, counts))
-        self.tokens += hidden.shape[0]
+        self.tokens += positions.shape[0]
         while self.tokens > MAX_STASHED_TOKENS and len(self._entries) > 1:
-            self.tokens -= self._entries.pop(0).hidden.shape[0]
+            self.tokens -= self._entries.pop(0).positions.shape[0]
 
     def drop(self, req_ids: set[str]) -> None:
         """Forget the rows of requests that finished or were preempted: their K/V will never be
@@ -66,17 +67,17 @@ class ContextStash:
                                            torch.tensor(e.counts)).to(e.slots.device)
             owners = [(r, n) for r, n in zip(e.owners, e.counts, strict=True) if r not in req_ids]
             if owners:
-                kept.append(_Entry(e.hidden[keep], e.positions[keep], e.slots[keep],
+                kept.append(_Entry([h[keep] for h in e.hidden], e.positions[keep], e.slots[keep],
                                    [r for r, _ in owners], [n for _, n in owners]))
         self._entries = kept
-        self.tokens = sum(e.hidden.shape[0] for e in kept)
+        self.tokens = sum(e.positions.shape[0] for e in kept)
 
     def flush(self, drafter_model: Any) -> None:
         """Write every kept token's context K/V into the drafter's cache, then forget them."""
         if not self.tokens:
             return
         entries, self._entries, self.tokens = self._entries, [], 0
-        hidden = torch.cat([e.hidden for e in entries])
+        hidden = torch.cat([torch.cat(e.hidden, dim=-1) for e in entries])
         positions = torch.cat([e.positions for e in entries])
         slots = torch.cat([e.slots for e in entries])
         drafter_model.precompute_and_store_context_kv(drafter_model.combine_hidden_states(hidden), positions, slots)

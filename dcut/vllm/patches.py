@@ -234,13 +234,9 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
         width = _agreed(self, state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule))
         state.width = width
         stash = _stash(self, state)
-        if width == 0 and stash is not None and not _verified_any(spec_decode_metadata):
-            # Nothing was verified this step: the drafter's context is exactly the scheduled tokens.
-            n = scheduler_output.total_num_scheduled_tokens
-            context = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if self.use_aux_hidden_state_outputs
-                       else hidden_states[:n].clone())
-            counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
-            stash.add(context, self._get_positions(n), common_attn_metadata.slot_mapping[:n], req_ids, counts)
+        if width == 0 and stash is not None and torch.is_tensor(sampled_token_ids):
+            _stash_context(self, stash, scheduler_output, req_ids, sampled_token_ids, hidden_states,
+                           aux_hidden_states, spec_decode_metadata, common_attn_metadata)
             drafts = torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
         else:
             if stash:
@@ -257,8 +253,34 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
     return propose_draft_token_ids
 
 
-def _verified_any(spec_decode_metadata: Any) -> bool:
-    return spec_decode_metadata is not None and any(spec_decode_metadata.num_draft_tokens)
+def _stash_context(runner: Any, stash: ContextStash, scheduler_output: Any, req_ids: list[str],
+                   sampled_token_ids: torch.Tensor, hidden_states: torch.Tensor, aux_hidden_states: Any,
+                   spec_decode_metadata: Any, common_attn_metadata: Any) -> None:
+    """Keep this step's drafter context: every scheduled token, except drafts that were rejected.
+
+    Request i scheduled ``counts[i]`` tokens, of which its last ``d_i`` were drafts; ``a_i`` of
+    those were accepted, so its context is its first ``counts[i] - d_i + a_i`` tokens (the tokens
+    DFlash's own first pass writes context K/V for and attends to; a rejected draft's slot is
+    written again when that position is decoded for real).
+    """
+    n = scheduler_output.total_num_scheduled_tokens
+    # The target's outputs are fresh tensors every step (no CUDA graph on this path): keep views,
+    # concatenate at flush (one copy of many steps instead of one per step).
+    context = [h[:n] for h in aux_hidden_states] if runner.use_aux_hidden_state_outputs else [hidden_states[:n]]
+    positions, slots = runner._get_positions(n), common_attn_metadata.slot_mapping[:n]
+    counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
+    drafted = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
+    if drafted is None or not any(drafted):
+        stash.add(context, positions, slots, req_ids, counts)
+        return
+    drafted_t = torch.tensor(drafted)
+    accepted = ((sampled_token_ids != -1).sum(dim=1).cpu() - 1).clamp(min=0)
+    rows = torch.tensor(counts) - drafted_t + torch.minimum(accepted, drafted_t)
+    counts_t = torch.tensor(counts)
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    within = torch.arange(n) - (torch.cumsum(counts_t, 0) - counts_t)[owner]
+    keep = (within < rows[owner]).to(positions.device)
+    stash.add([h[keep] for h in context], positions[keep], slots[keep], req_ids, rows.tolist())
 
 
 def _runner_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
