@@ -37,8 +37,9 @@ class DCutSettings(BaseModel):
                             "learned online from verification (raw DFlash confidences are badly "
                             "under-confident past position 1 on the embedded models: ECE 0.4-0.6).")
     # Width control (mode=joint)
-    widths: list[int] | None = Field(None, description="Drafted widths mode=joint may choose "
-                                     "(default 0,1,2,3,5,7,11,15, capped at K; 0 and K always included).")
+    widths: list[int] | None = Field(None, description="Drafted widths mode=joint may choose (default "
+                                     "0,1,2,3,5,7,11,15 capped at K, with K; given: exactly those <= K, "
+                                     "so [0] pins width 0).")
     width_hysteresis: float = Field(0.05, ge=0.0, description="Keep the current width unless another is "
                                     "estimated this much faster.")
     probe_share: float = Field(0.02, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
@@ -65,8 +66,8 @@ class DCutSettings(BaseModel):
     def _sizes_positive(self) -> DCutSettings:
         if self.profile_batch_sizes is not None and any(b < 1 for b in self.profile_batch_sizes):
             raise ValueError("profile_batch_sizes must all be >= 1")
-        if self.widths is not None and any(w < 0 for w in self.widths):
-            raise ValueError("widths must all be >= 0")
+        if self.widths is not None and (not self.widths or any(w < 0 for w in self.widths)):
+            raise ValueError("widths must be a non-empty list of integers >= 0")
         return self
 
 

@@ -30,9 +30,11 @@ DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
 
 
 def widths_for(k: int, widths: Sequence[int] | None = None) -> list[int]:
-    """The candidate widths for an engine drafting at most ``k``: sorted, unique, 0 and k included."""
-    chosen = {w for w in (widths if widths is not None else DEFAULT_WIDTHS) if 0 <= w <= k}
-    return sorted(chosen | {0, k})
+    """The candidate widths for an engine drafting at most ``k``: the default set (0 and k always
+    in), or exactly the given ones that fit (``[0]`` pins width 0: a diagnostic and a baseline)."""
+    if widths is None:
+        return sorted({w for w in DEFAULT_WIDTHS if w <= k} | {0, k})
+    return sorted({w for w in widths if 0 <= w <= k}) or [0]
 
 
 class WidthStats:

@@ -29,6 +29,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
     parser.add_argument("--zero-width", choices=["catch_up", "vllm"], default="catch_up",
                         help="--mode joint: how a width-0 step keeps the drafter in sync")
+    parser.add_argument("--widths", type=lambda t: [int(w) for w in t.split(",")], default=None,
+                        help="--mode joint: the widths it may draft, e.g. 0 to pin width 0 (default 0,1,2,3,5,7,11,15)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run eagerly (vLLM's default, used otherwise, compiles: slower start, faster steps)")
 
@@ -62,7 +64,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     engine_environment(args.tp)
     dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
                         count_bonus=args.count_bonus, calibrate=args.calibrate,
-                        cost_table=args.cost_table, cache_dir=args.cache_dir, zero_width=args.zero_width)
+                        cost_table=args.cost_table, cache_dir=args.cache_dir, zero_width=args.zero_width,
+                        widths=args.widths)
     return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
                           spec_schedule=args.spec_schedule, tensor_parallel_size=args.tp, dtype=args.dtype,
                           max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,

@@ -167,7 +167,9 @@ class RunnerDCut:
             self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
             self.cost_source = f"cache ({self.cache_path()})"
         elif self.settings.profile:
-            widths = widths_for(self.k, self.settings.widths)
+            # Every default width as well as the chosen ones: the table is cached by fingerprint and
+            # shared with engines whose widths differ.
+            widths = sorted(set(widths_for(self.k)) | set(widths_for(self.k, self.settings.widths)))
             logger.info("D-Cut: profiling verify and draft costs for batch sizes %s (K=%d, widths %s)",
                         batch_sizes, self.k, widths)
             self.cost_table = profile_cost_table(

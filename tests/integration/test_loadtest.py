@@ -36,7 +36,7 @@ def loadtest_app(ray_cluster, tiny_models, tmp_path_factory):
 
     from app.builder import build_app
 
-    dcut = {"mode": "auto", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
+    dcut = {"mode": "joint", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
             "cache_dir": str(tmp_path_factory.mktemp("loadtest-cache"))}
     args = {
         "engine": {"model": str(tiny_models["target"]), "draft": str(tiny_models["dflash"]), "method": "dflash",

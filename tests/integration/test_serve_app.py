@@ -1,5 +1,5 @@
 """The whole Serve application on a real local Ray instance with real vLLM engines and the D-Cut plugin
-on (tiny Qwen3 target + DFlash head, K=7, mode auto, a two-batch-size start-up profile).
+on (tiny Qwen3 target + DFlash head, K=7, mode joint — the app default —, a two-batch-size start-up profile).
 
 Two applications share one Ray instance: ``dcut`` (2 engine replicas, API key, tiny queues for 503)
 and ``scale`` (1..2 replicas, fast autoscaling) for the scale-up/scale-down test.
@@ -27,7 +27,7 @@ FAULT = "__inject_fault__"
 
 def _args(models: dict, cache_dir, **replica) -> dict:
     """D-Cut on (DFlash, K=7, auto) with a small start-up profile; ``cache_dir``: where the engine caches it."""
-    dcut = {"mode": "auto", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
+    dcut = {"mode": "joint", "profile_batch_sizes": [1, 4], "profile_warmups": 0, "profile_repeats": 1,
             "cache_dir": str(cache_dir)}
     return {
         "engine": {"model": str(models["target"]), "draft": str(models["dflash"]), "method": "dflash",

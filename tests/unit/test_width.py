@@ -9,10 +9,11 @@ import torch
 from dcut.width import ProbeBudget, WidthChoice, WidthStats, choose_width, width_utilities, widths_for
 
 
-def test_widths_always_include_zero_and_k() -> None:
+def test_default_widths_include_zero_and_k() -> None:
     assert widths_for(15) == [0, 1, 2, 3, 5, 7, 11, 15]
     assert widths_for(4) == [0, 1, 2, 3, 4]
-    assert widths_for(7, [3, 9]) == [0, 3, 7]
+    assert widths_for(7, [3, 9]) == [3]  # given widths are taken as they are (those that fit)
+    assert widths_for(15, [0]) == [0]
 
 
 def test_width_stats_count_reached_positions_per_width() -> None:
