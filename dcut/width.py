@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
+EXPLORE_SHARE = 0.15  # probe share while some width is unmeasured at a batch size (then ``share``)
 
 
 def widths_for(k: int, widths: Sequence[int] | None = None) -> list[int]:
@@ -160,7 +161,8 @@ class RealizedRates:
     accepted drafts). Those cycles, averaged (EMA after ``1/weight`` samples), are the ground truth
     the cost model only predicts: once a width has ``min_samples`` cycles in a bucket, its
     measured rate replaces the estimate (``apply``). The model still prices widths never tried,
-    which is how they get tried; probes keep the others fresh.
+    which is how they get tried; probes (counted too: a probe verifies everything, a lower bound of
+    what the width delivers) measure the others, faster while some width is still unmeasured.
     """
 
     def __init__(self, min_samples: int = 3, weight: float = 0.1) -> None:
@@ -210,12 +212,13 @@ class ProbeBudget:
         self._next = 0
 
     def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
-              samples: Callable[[int], int] | None = None) -> int | None:
+              samples: Callable[[int], int] | None = None, explore: bool = False) -> int | None:
         """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
-        ``samples(w)``: how much is known of w already (the least known is probed first)."""
+        ``samples(w)``: how much is known of w already (the least known is probed first);
+        ``explore``: some width is not measured yet at this batch size, so earn ``EXPLORE_SHARE``."""
         if self.share <= 0:
             return None
-        self.credit += self.share
+        self.credit += max(self.share, EXPLORE_SHARE) if explore else self.share
         candidates = [w for w in self.widths if w != chosen.width]
         if not candidates or self.credit < 1.0:
             return None

@@ -20,7 +20,7 @@ from dcut.machine import machine_info
 from dcut.selection import select
 from dcut.settings import DCutSettings
 
-HELP = "Median time of one D-Cut selection (auto and continuous) per batch size and K."
+HELP = "Median time of one D-Cut selection (auto, continuous) and of D-Cut's whole per-step work."
 BATCH_SIZES = (1, 4, 16, 64, 256)
 KS = (7, 15)
 MODES = ("auto", "continuous")
@@ -29,6 +29,9 @@ MODES = ("auto", "continuous")
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of a table.")
     parser.add_argument("--repeats", type=int, default=200, help="Timed calls per case (default 200).")
+    parser.add_argument("--step", action="store_true",
+                        help="Time D-Cut's whole per-step work in an engine (the runner state's hooks: width "
+                             "choice, selection, calibration, stats) instead of the selection alone.")
 
 
 def synthetic_cost_table(k: int) -> CostTable:
@@ -54,9 +57,48 @@ def time_select(mode: str, bs: int, k: int, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def time_step(mode: str, bs: int, k: int, width: int, repeats: int) -> float:
+    """Median microseconds of D-Cut's hooks for one engine step that verifies ``width`` drafts per
+    request and drafts ``width`` more (the calls the vLLM patches make, on synthetic tensors)."""
+    from dcut.vllm.state import RunnerDCut
+
+    table = synthetic_cost_table(k)
+    table.draft = {b: {w: (1.0 + 0.1 * b * w, 1) for w in (0, 1, 3, 7, k)} for b in BATCH_SIZES}
+    state = RunnerDCut(DCutSettings(mode=mode, probe_share=0.0), table.fingerprint, k)
+    state.cost_table = table
+    req_ids = [f"r{i}" for i in range(bs)]
+    generator = torch.Generator().manual_seed(bs)
+    scheduled = {r: 1 + width for r in req_ids}
+    spec = {r: [0] * width for r in req_ids}
+    sampled = torch.full((bs, width + 1), -1)
+    sampled[:, : 1 + width // 2] = 1
+    times = []
+    for step in range(repeats + 10):
+        log_conf = torch.rand(bs, width, generator=generator).pow(0.3).log() if width else None
+        start = time.perf_counter()
+        state.begin_step(scheduled, spec)
+        state.choose_width(bs, k)
+        state.width = width  # what the step drafts, whatever the estimate says
+        state.on_drafted(req_ids, log_conf, sampled if width and step else None, [width] * bs if step else None)
+        state.cut(req_ids, [[0] * width for _ in req_ids])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:]) * 1e6
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise CommandError("--repeats must be at least 1")
+    if args.step:
+        results = [{"mode": mode, "bs": bs, "k": 15, "width": w,
+                    "median_us": round(time_step(mode, bs, 15, w, args.repeats), 1)}
+                   for mode in ("auto", "joint") for bs in (1, 16, 64) for w in ((15,) if mode == "auto" else (0, 15))]
+        if args.json:
+            print(json.dumps({"machine": machine_info(), "results": results}))
+            return 0
+        print(f"{'mode':<6} {'bs':>4} {'width':>5} {'median us':>10}")
+        for r in results:
+            print(f"{r['mode']:<6} {r['bs']:>4} {r['width']:>5} {r['median_us']:>10.1f}")
+        return 0
     results = [{"mode": mode, "bs": bs, "k": k, "median_us": round(time_select(mode, bs, k, args.repeats), 1)}
                for mode in MODES for k in KS for bs in BATCH_SIZES]
     if args.json:

@@ -70,7 +70,7 @@ class _Cycle:
 
     bucket: int  # covering batch size
     width: int
-    probe: bool  # probes verify everything: not what the width delivers under the policy (but width 0)
+    probe: bool  # a probe verifies everything: a lower bound of what the width delivers under the policy
     ms: float
     clean: bool = False  # the engine went straight on to the next step
 
@@ -219,8 +219,9 @@ class RunnerDCut:
             self.width = min(scheduled_width, self.k)
             return self.width
         self._held = chosen.width
-        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w),
-                                  None if bucket is None else lambda w: self.realized.samples(bucket, w))
+        samples = None if bucket is None else (lambda w: self.realized.samples(bucket, w))
+        exploring = samples is not None and min(samples(w) for w in self.widths) < self.realized.min_samples
+        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples, explore=exploring)
         self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
         return self.width
 
@@ -240,7 +241,7 @@ class RunnerDCut:
         finished = self._cycle
         self._cycle = None if bucket is None or self._draft_ms is None else _Cycle(bucket, self.width, self.probe,
                                                                                    self._draft_ms)
-        if finished is not None and self._verify_ms is not None and (not finished.probe or finished.width == 0):
+        if finished is not None and self._verify_ms is not None:
             finished.ms += self._verify_ms
             self._finished_cycle = finished
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:

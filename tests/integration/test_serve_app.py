@@ -221,6 +221,8 @@ def test_second_replica_uses_controller_table(client):
     assert sources[0].startswith("given (") and fingerprint in sources[0], sources
     assert list(status["cost_tables"]) == [fingerprint]
     assert len(status["cost_tables"][fingerprint]["from_replicas"]) == 2
+    table = status["cost_tables"][fingerprint]["table"]
+    assert table["points"] and set(table["draft"]["1"]) >= {"0", "7"}, "both parts: verify rows and drafter widths"
     assert status["profiling"] == {}
 
 

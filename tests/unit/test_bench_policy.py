@@ -30,3 +30,12 @@ def test_bench_policy_json() -> None:
 def test_bench_policy_rejects_bad_repeats(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-policy", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+def test_bench_step_times_the_runner_hooks() -> None:
+    """`--step` drives the real runner state (width choice, selection, calibration, stats) per step."""
+    out = subprocess.run([sys.executable, "-c", DCUT, "bench-policy", "--step", "--json", "--repeats", "5"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    rows = json.loads(out.stdout)["results"]
+    assert {(r["mode"], r["bs"], r["width"]) for r in rows} >= {("auto", 64, 15), ("joint", 1, 0), ("joint", 64, 15)}
+    assert all(r["median_us"] > 0 for r in rows)

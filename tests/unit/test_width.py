@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from dcut.width import ProbeBudget, WidthChoice, WidthStats, choose_width, width_utilities, widths_for
+from dcut.width import (
+    ProbeBudget,
+    RealizedRates,
+    WidthChoice,
+    WidthStats,
+    choose_width,
+    width_utilities,
+    widths_for,
+)
 
 
 def test_default_widths_include_zero_and_k() -> None:
@@ -84,3 +92,22 @@ def test_probes_cost_at_most_their_share() -> None:
     time_spent = sum(10.0 + 10.0 * w - 10.0 for w in widths)
     assert time_spent <= 0.05 * 2000 * 10.0 * 1.01  # the extra time of probes stays within the share
     assert ProbeBudget([0, 1], share=0.0).probe(chosen, lambda w: 1.0) is None
+
+
+def test_exploration_probes_more_until_widths_are_measured() -> None:
+    chosen = WidthChoice(0, 0, 4.0, 10.0)
+    calm, eager = ProbeBudget([0, 1, 3], share=0.02), ProbeBudget([0, 1, 3], share=0.02)
+    calm_n = sum(calm.probe(chosen, lambda w: 10.0) is not None for _ in range(200))
+    eager_n = sum(eager.probe(chosen, lambda w: 10.0, lambda w: 0, explore=True) is not None for _ in range(200))
+    assert calm_n <= 4 and eager_n >= 25
+
+
+def test_realized_rates_replace_the_estimate_once_measured() -> None:
+    rates = RealizedRates(min_samples=2)
+    estimate = [WidthChoice(0, 0, 4.0, 4.0), WidthChoice(3, 2, 10.0, 5.0)]  # width 3 looks better
+    rates.add(4, 3, tokens=6.0, ms=12.0)
+    assert rates.apply(4, estimate)[1].tokens_per_s == estimate[1].tokens_per_s  # one cycle is not enough
+    rates.add(4, 3, tokens=6.0, ms=12.0)
+    measured = rates.apply(4, estimate)
+    assert measured[1].tokens_per_s == pytest.approx(500.0) and choose_width(measured, None, 0.0).width == 0
+    assert rates.apply(8, estimate) == estimate  # other batch-size buckets are separate
