@@ -92,19 +92,15 @@ def run(args: argparse.Namespace) -> int:
         results = [{"mode": mode, "bs": bs, "k": 15, "width": w,
                     "median_us": round(time_step(mode, bs, 15, w, args.repeats), 1)}
                    for mode in ("auto", "joint") for bs in (1, 16, 64) for w in ((15,) if mode == "auto" else (0, 15))]
-        if args.json:
-            print(json.dumps({"machine": machine_info(), "results": results}))
-            return 0
-        print(f"{'mode':<6} {'bs':>4} {'width':>5} {'median us':>10}")
-        for r in results:
-            print(f"{r['mode']:<6} {r['bs']:>4} {r['width']:>5} {r['median_us']:>10.1f}")
-        return 0
-    results = [{"mode": mode, "bs": bs, "k": k, "median_us": round(time_select(mode, bs, k, args.repeats), 1)}
-               for mode in MODES for k in KS for bs in BATCH_SIZES]
+        columns = ("mode", "bs", "width")
+    else:
+        results = [{"mode": mode, "bs": bs, "k": k, "median_us": round(time_select(mode, bs, k, args.repeats), 1)}
+                   for mode in MODES for k in KS for bs in BATCH_SIZES]
+        columns = ("mode", "bs", "k")
     if args.json:
         print(json.dumps({"machine": machine_info(), "results": results}))
         return 0
-    print(f"{'mode':<11} {'bs':>4} {'K':>3} {'median us':>10}")
+    print(f"{columns[0]:<11} {columns[1]:>4} {columns[2]:>5} {'median us':>10}")
     for r in results:
-        print(f"{r['mode']:<11} {r['bs']:>4} {r['k']:>3} {r['median_us']:>10.1f}")
+        print(f"{r[columns[0]]:<11} {r[columns[1]]:>4} {r[columns[2]]:>5} {r['median_us']:>10.1f}")
     return 0
