@@ -110,12 +110,8 @@ class CostTable:
 
     def lookup(self, bs: int, verify_tokens: int) -> float | None:
         """Cost in ms of one step, or None when no profiled batch size covers ``bs``."""
-        cover = self.covering(bs)
-        if cover is None:
-            return None
-        row = self.points[cover]
-        plain = verify_tokens <= bs
-        return float(np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row])) + self.offset(cover, plain)
+        costs = self.lookup_many(bs, np.asarray([verify_tokens]))
+        return None if costs is None else float(costs[0])
 
     def offset(self, cover: int, plain: bool = False) -> float:
         """The live-step correction of a profiled batch size's row (ms): of steps verifying

@@ -38,6 +38,16 @@ def widths_for(k: int, widths: Sequence[int] | None = None) -> list[int]:
     return sorted({w for w in widths if 0 <= w <= k}) or [0]
 
 
+def position_counts(verified: Tensor, accepted: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per draft position t < k, over requests: how many verified draft t, how many reached it
+    (verified it with every earlier draft accepted), how many accepted it. Request i verified its
+    first ``verified[i]`` drafts and the first ``accepted[i]`` of those were accepted."""
+    positions = torch.arange(k).unsqueeze(0)
+    n = verified.to(torch.int64).clamp(0, k).unsqueeze(1)
+    a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
+    return (positions < n).sum(0), ((positions < n) & (positions <= a)).sum(0), (positions < a).sum(0)
+
+
 class WidthStats:
     """Per (width, position): requests that reached the position and how many were accepted.
 
@@ -57,17 +67,13 @@ class WidthStats:
         self._index = {w: i for i, w in enumerate(self.widths)}
         self._survival: np.ndarray | None = None
 
-    def observe(self, width: int, verified: Tensor, accepted: Tensor) -> None:
-        """Count one step: request i verified its first ``verified[i]`` drafts, accepted ``accepted[i]``."""
+    def observe(self, width: int, reached: Tensor, accepted: Tensor) -> None:
+        """Count one step's per-position ``reached`` and ``accepted`` (``position_counts``) for ``width``."""
         i = self._index.get(width)
-        if i is None or width == 0 or verified.numel() == 0:
+        if i is None or width == 0:
             return
-        positions = torch.arange(self.k).unsqueeze(0)
-        n = verified.to(torch.int64).clamp(0, width).unsqueeze(1)
-        a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
-        reached = (positions < n) & (positions <= a)
-        self.reached[i] += reached.sum(0, dtype=torch.float64)
-        self.accepted[i] += (positions < a).sum(0, dtype=torch.float64)
+        self.reached[i] += reached.to(torch.float64)
+        self.accepted[i] += accepted.to(torch.float64)
         self._survival = None
         top = float(self.reached[i].max())
         if top > self.cap:

@@ -11,8 +11,8 @@ Wrapped functions:
   live with (async scheduling, full CUDA graphs, the V2 model runner), one log line each.
 - ``SpecDecodeBaseProposer.propose`` / ``._sample_draft_tokens`` — keep the drafter's
   log-probability of each token it drafts (its confidence) from the logits it computes anyway.
-- ``GPUModelRunner.execute_model`` — start the step clock, note the step's shape; write out the
-  width-0 context stash before a finished or preempted request's KV blocks can change hands.
+- ``GPUModelRunner.execute_model`` — start the step clock, note the step's shape; drop finished or
+  preempted requests from the width-0 context stash before their KV blocks can change hands.
 - ``GPUModelRunner._prepare_inputs`` — (mode ``joint``) a step with no drafts to verify is built
   as a plain decode step: no speculative metadata, no rejection sampler over zero drafts.
 - ``GPUModelRunner.propose_draft_token_ids`` — choose the drafted width (mode ``joint``) and
@@ -37,7 +37,6 @@ import torch
 
 from dcut.vllm.catch_up import ContextStash
 from dcut.vllm.state import RunnerDCut, fingerprint_for, settings_from_config
-from dcut.width import widths_for
 
 logger = logging.getLogger("vllm.dcut")
 
@@ -273,10 +272,9 @@ def _stash_context(runner: Any, stash: ContextStash, scheduler_output: Any, req_
     if drafted is None or not any(drafted):
         stash.add(context, positions, slots, req_ids, counts)
         return
-    drafted_t = torch.tensor(drafted)
+    drafted_t, counts_t = torch.tensor(drafted), torch.tensor(counts)
     accepted = ((sampled_token_ids != -1).sum(dim=1).cpu() - 1).clamp(min=0)
-    rows = torch.tensor(counts) - drafted_t + torch.minimum(accepted, drafted_t)
-    counts_t = torch.tensor(counts)
+    rows = counts_t - drafted_t + torch.minimum(accepted, drafted_t)
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
     within = torch.arange(n) - (torch.cumsum(counts_t, 0) - counts_t)[owner]
     keep = (within < rows[owner]).to(positions.device)
@@ -432,7 +430,7 @@ def _warm_up_widths(runner: Any, state: RunnerDCut) -> None:
 
     drafter = runner.drafter
     stride = (drafter.max_model_len + drafter.block_size - 1) // drafter.block_size
-    for width in widths_for(state.k, state.settings.widths):
+    for width in state.widths:
         if width != state.k:
             _copy_and_expand_dflash_inputs.warmup(
                 block_table_stride=stride, parallel_drafting_token_id=drafter.parallel_drafting_token_id,

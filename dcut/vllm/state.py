@@ -36,7 +36,15 @@ from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
-from dcut.width import ProbeBudget, RealizedRates, WidthStats, choose_width, width_utilities, widths_for
+from dcut.width import (
+    ProbeBudget,
+    RealizedRates,
+    WidthStats,
+    choose_width,
+    position_counts,
+    width_utilities,
+    widths_for,
+)
 
 logger = logging.getLogger("vllm.dcut")
 
@@ -292,14 +300,11 @@ class RunnerDCut:
         per_pos_acc = [0] * self.k
         accepted_total = 0
         if verified is not None:
-            n = verified.num_draft.to(torch.int64).clamp(0, self.k).unsqueeze(1)
-            a = torch.minimum(verified.accepted.to(torch.int64).unsqueeze(1), n)
-            positions = torch.arange(self.k).unsqueeze(0)
-            per_pos_kept = (positions < n).sum(0).tolist()
-            per_pos_acc = (positions < a).sum(0).tolist()
-            accepted_total = int(a.sum())
+            kept_at, reached_at, accepted_at = position_counts(verified.num_draft, verified.accepted, self.k)
+            per_pos_kept, per_pos_acc = kept_at.tolist(), accepted_at.tolist()
+            accepted_total = sum(per_pos_acc)
             if self.joint:
-                self.width_stats.observe(verified.width, verified.num_draft, verified.accepted)
+                self.width_stats.observe(verified.width, reached_at, accepted_at)
             self._update_calibration(verified)
         # Only the counts: Decision.to_dict would also copy every candidate's U to the host each step.
         decision = pending.decision if pending is not None else None

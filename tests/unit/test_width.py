@@ -12,6 +12,7 @@ from dcut.width import (
     WidthChoice,
     WidthStats,
     choose_width,
+    position_counts,
     width_utilities,
     widths_for,
 )
@@ -27,7 +28,7 @@ def test_default_widths_include_zero_and_k() -> None:
 def test_width_stats_count_reached_positions_per_width() -> None:
     stats = WidthStats([0, 2, 4], k=4, prior_weight=0.0)
     # Three requests drafted at width 4: verified 4/4/2 drafts, accepted 1/4/2.
-    stats.observe(4, torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2]))
+    stats.observe(4, *position_counts(torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2]), 4)[1:])
     q = stats.conditional()
     assert q[2].tolist() == pytest.approx([3 / 3, 2 / 3, 1 / 1, 1 / 1])
     s = stats.survival()
@@ -39,7 +40,7 @@ def test_width_stats_count_reached_positions_per_width() -> None:
 def test_unobserved_width_borrows_the_pooled_rate() -> None:
     stats = WidthStats([2, 4], k=4, prior_q=0.5, prior_weight=2.0)
     for _ in range(50):
-        stats.observe(4, torch.tensor([4] * 8), torch.tensor([4] * 8))  # all accepted at width 4
+        stats.observe(4, *position_counts(torch.tensor([4] * 8), torch.tensor([4] * 8), 4)[1:])  # all accepted
     q = stats.conditional()
     assert q[0, 0] > 0.9  # width 2 never observed: pooled towards width 4's rate, not the 0.5 prior
 
