@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 REQUEST_TYPE = "POST"
 SSE_TYPE = "SSE"
@@ -167,9 +169,28 @@ def ratio_lines(results: list[RunResult]) -> list[str]:
     return lines
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def portable(value: Any) -> Any:
+    """``value`` (strings inside lists and dicts too) without this machine's paths: the repository
+    root becomes relative, the home folder ``~``, the temp folder ``$TMPDIR``. Reports are committed."""
+    if isinstance(value, str):
+        prefixes = ((f"{REPO}/", ""), (f"{Path.home()}/", "~/"), (f"{tempfile.gettempdir()}/", "$TMPDIR/"))
+        for prefix, replacement in prefixes:  # the repository first: it may sit under the home folder
+            value = value.replace(prefix, replacement)
+        return value
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    return value
+
+
 def write_report(out: Path, results: list[RunResult], meta: dict) -> None:
-    """``results.json``, ``results.md`` and the PNG plots under ``out``."""
+    """``results.json``, ``results.md`` and the PNG plots under ``out``, with portable paths."""
     out.mkdir(parents=True, exist_ok=True)
+    meta = portable(meta)
     (out / "results.json").write_text(json.dumps({**meta, "runs": [r.to_json() for r in results]}, indent=1) + "\n")
     plots = write_plots(out, results)
     md = ["# Load test: D-Cut ON vs OFF", ""]

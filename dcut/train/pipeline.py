@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -57,7 +58,7 @@ def stage_tokenizer(out: Path, runs: Path, vocab_size: int = 4096, n_prompts: in
     prompts = D.heldout_prompts(held, tok, n=n_prompts)
     D.write_prompts(out / "heldout_prompts.jsonl", prompts)
     meta = {
-        "stdlib": str(D.stdlib_dir()), "files": len(files), "train_files": len(train),
+        "stdlib": _installation_relative(D.stdlib_dir()), "files": len(files), "train_files": len(train),
         "heldout_files": len(held), "heldout_percent": D.HELDOUT_PERCENT,
         "train_tokens": int(np.load(data_dir / "train.npy", mmap_mode="r").shape[0]),
         "heldout_tokens": int(np.load(data_dir / "heldout.npy", mmap_mode="r").shape[0]),
@@ -177,3 +178,13 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
     (runs / f"verify-{target_name}.json").unlink(missing_ok=True)
     _mark_done(folder, info)
     return info
+
+
+def _installation_relative(path: Path) -> str:
+    """``path`` inside the Python installation as ``<python>/lib/python3.X`` (model cards are committed:
+    no machine paths in them)."""
+    try:
+        return f"<python>/{path.relative_to(sys.base_prefix)}"
+    except ValueError:
+        return path.name
+

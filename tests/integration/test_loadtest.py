@@ -151,3 +151,4 @@ def test_results_table_from_real_locust_csv(tmp_path):
     assert {(r["mode"], r["users"]) for r in data["runs"]} == {(m, u) for _, m, u in runs}
     assert (tmp_path / "tokens_per_s.png").stat().st_size > 0 and (tmp_path / "ttft_p99.png").stat().st_size > 0
     assert table in (tmp_path / "results.md").read_text()
+    assert data["setup"]["from"] == str(COMMITTED_CSV.relative_to(REPO)), "committed reports carry no machine paths"
