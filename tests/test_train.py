@@ -160,6 +160,31 @@ def test_cli_parses_all():
 
     p = argparse.ArgumentParser()
     cmd.configure(p)
-    a = p.parse_args(["all", "--out", "m", "--seed", "1", "--dense-minutes", "3", "--skip-moe"])
-    assert a.stage == "all" and a.dense_minutes == 3 and a.skip_moe and a.seed == 1
+    a = p.parse_args(["all", "--out", "m", "--seed", "1", "--dense-minutes", "3", "--pairs", "dense"])
+    assert a.stage == "all" and a.dense_minutes == 3 and a.pairs == ["dense"] and a.seed == 1
     assert isinstance(cmd.HELP, str)
+
+
+def test_block_mask_holds_only_the_drafted_width():
+    m = M.block_attention_mask(torch.tensor([[3, 7]]), T=10, block=4, widths=torch.tensor([[1, 3]]))[0, 0]
+    assert m[0, 10:12].all() and not m[0, 12:14].any()  # width 1: the anchor and one mask slot
+    assert m[3, 10:12].all() and not m[3, 12:14].any()  # padding slots attend to the held slots only
+    assert m[4, 14:18].all() and m[4, :7].all()  # full width: the whole block and its context
+
+
+def test_sampled_widths_cover_every_width_and_weight_the_full_block():
+    w = L.sample_widths(64, 32, 16, seed=0, step=3)
+    assert w.min() >= 1 and w.max() == 15 and set(w.unique().tolist()) == set(range(1, 16))
+    assert 0.45 < float((w == 15).float().mean()) < 0.62
+    assert torch.equal(w, L.sample_widths(64, 32, 16, seed=0, step=3))
+
+
+def test_short_widths_drop_later_slots_from_loss_and_acceptance(corpus, tiny_target):
+    _, ids, _ = corpus
+    spec, _, _, target, _ = tiny_target
+    dspec = M.DrafterSpec(num_hidden_layers=1, intermediate_size=96, block_size=8, target_layer_ids=[0, 1])
+    drafter = M.DFlashDrafter(spec, dspec)
+    x = torch.from_numpy(ids[:64].astype(np.int64))[None]
+    anchors = torch.tensor([[10, 30]])
+    _, correct, accepted = L._drafter_batch_outputs(drafter, target, x, anchors, 7.0, torch.tensor([[2, 7]]))
+    assert not correct[0, 0, 2:].any() and accepted[0, 0] <= 2

@@ -9,11 +9,41 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-HELP = "Train the embedded models (tokenizer, dense/MoE targets, DFlash drafters) on the stdlib source."
+HELP = "Train the embedded models (tokenizer, Dense/deep/MoE targets, DFlash drafters) on the stdlib source."
 
-PAIRS = {"dense": ("dense", "dense-dflash"), "moe": ("moe", "moe-dflash")}
+
+@dataclass(frozen=True)
+class Pair:
+    """One embedded target and its DFlash drafter: shapes and default time budgets (minutes)."""
+
+    target: str
+    drafter: str
+    target_shape: dict
+    drafter_shape: dict
+    target_minutes: float
+    drafter_minutes: float
+    distill_minutes: float
+    greedy_share: float = 0.5  # share of distillation batches drawn from the target's greedy output
+
+
+PAIRS = {
+    "dense": Pair("dense", "dense-dflash", {"kind": "dense"},
+                  {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
+                  20.0, 14.0, 8.0),
+    # D-Cut's regime (issue 11): the target's forward, not the engine's per-step overhead, dominates
+    # a plain step; a 1-layer drafter reading five target layers costs ~0.1 of the target per token.
+    "deep": Pair("deep", "deep-dflash",
+                 {"kind": "dense", "hidden_size": 384, "num_hidden_layers": 16, "num_attention_heads": 6,
+                  "num_key_value_heads": 2, "intermediate_size": 1024},
+                 {"num_hidden_layers": 1, "intermediate_size": 1024, "target_layer_ids": [1, 5, 9, 12, 15]},
+                 45.0, 8.0, 30.0, greedy_share=0.75),
+    "moe": Pair("moe", "moe-dflash", {"kind": "moe"},
+                {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
+                10.0, 7.0, 0.0),
+}
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -35,34 +65,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("tokenizer", help="tokenize the stdlib split, train the BPE, write held-out prompts")
     _common(p)
     p.add_argument("--vocab-size", type=int, default=4096)
-    for kind in ("dense", "moe"):
+    for kind, pair in PAIRS.items():
         p = sub.add_parser(kind, help=f"train the {kind} target")
         _common(p)
-        _target_args(p, "", 20.0 if kind == "dense" else 10.0, 2e-3)
+        _target_args(p, "", pair.target_minutes, 2e-3)
         p = sub.add_parser(f"{kind}-drafter", help=f"train the DFlash drafter of the {kind} target")
         _common(p)
-        _target_args(p, "", 14.0 if kind == "dense" else 7.0, 2e-3)
+        _target_args(p, "", pair.drafter_minutes or 8.0, 2e-3)
         p = sub.add_parser(f"{kind}-drafter-distill", help=f"fine-tune the {kind} drafter on the target's own "
                            "greedy continuations mixed with real text")
         _common(p)
-        _target_args(p, "", 8.0 if kind == "dense" else 5.0, 1e-3)
+        _target_args(p, "", pair.distill_minutes or 5.0, 1e-3)
         p.add_argument("--sequences", type=int, default=128, help="greedy sequences to generate (default 128)")
+        p.add_argument("--greedy-share", type=float, default=pair.greedy_share,
+                       help=f"share of batches from the greedy sequences (default {pair.greedy_share})")
     p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
                        "measure acceptance, write the model cards")
     _common(p)
     p.add_argument("pair", choices=sorted(PAIRS))
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
+    p = sub.add_parser("regime", help="a pair's cost regime (engine-profiled costs, live plain steps) and "
+                       "acceptance per position at widths 1/3/7/15, into the model cards")
+    _common(p)
+    p.add_argument("pair", choices=sorted(PAIRS))
+    p.add_argument("--profile", required=True, help="cost_table.json from `dcut profile` of the pair")
+    p.add_argument("--sweep", required=True, help="sweep.json from `dcut sweep` of the pair (its `none` cells)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
     p = sub.add_parser("all", help="every stage in order, skipping finished ones, resuming checkpoints")
     _common(p)
-    _target_args(p, "dense-", 20.0, 2e-3)
-    _target_args(p, "dense-drafter-", 14.0, 2e-3)
-    _target_args(p, "dense-distill-", 8.0, 1e-3)
-    _target_args(p, "moe-", 10.0, 2e-3)
-    _target_args(p, "moe-drafter-", 7.0, 2e-3)
-    _target_args(p, "moe-distill-", 0.0, 1e-3)
+    for kind, pair in PAIRS.items():
+        _target_args(p, f"{kind}-", pair.target_minutes, 2e-3)
+        _target_args(p, f"{kind}-drafter-", pair.drafter_minutes, 2e-3)
+        _target_args(p, f"{kind}-distill-", pair.distill_minutes, 1e-3)
+    p.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=list(PAIRS),
+                   help="pairs to build, in order (default: all)")
     p.add_argument("--sequences", type=int, default=128, help="greedy sequences per drafter fine-tune")
-    p.add_argument("--skip-moe", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -71,21 +110,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _budget(minutes: float, steps: int, lr: float, *, drafter: bool):
     from dcut.train.loop import Budget
 
-    if drafter:
-        return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=30)
-    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=50)
+    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=30 if drafter else 50)
 
 
 def _target_spec(kind: str):
     from dcut.train.models import TargetSpec
 
-    return TargetSpec(kind=kind)
+    return TargetSpec(**PAIRS[kind].target_shape)
 
 
-def _drafter_spec():
+def _drafter_spec(kind: str):
     from dcut.train.models import DrafterSpec
 
-    return DrafterSpec(num_hidden_layers=2, intermediate_size=768, block_size=16, target_layer_ids=[0, 1, 2, 3])
+    return DrafterSpec(block_size=16, **PAIRS[kind].drafter_shape)
 
 
 def _command_line() -> str:
@@ -93,8 +130,9 @@ def _command_line() -> str:
         if "train" in sys.argv else "dcut train all --out models --seed 0"
 
 
-def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: int) -> dict:
-    """vLLM check in a subprocess (vLLM needs a __main__ guard), plus the PyTorch replay."""
+def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: int, k: int = 15) -> dict:
+    """vLLM check in a subprocess (vLLM needs a __main__ guard) drafting ``k`` positions per step,
+    plus (at the full block) the PyTorch replay."""
     from dcut.cli import CommandError
     from dcut.train import loop as L
     from dcut.train import models as M
@@ -102,36 +140,68 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     from dcut.train import tokenizer as TK
     from dcut.train import verify as V
 
-    tname, dname = PAIRS[kind]
+    tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
     if not ((out / tname / ".done").exists() and (out / dname / ".done").exists()):
         raise CommandError(f"{out / tname} and {out / dname} must be trained first")
-    js = runs / f"verify-{tname}.json"
+    js = runs / (f"verify-{tname}.json" if k == 15 else f"verify-{tname}-k{k}.json")
     prompts_file = out / "heldout_prompts.jsonl"
     cmd = [sys.executable, "-m", "dcut.train.verify", "--target", str(out / tname), "--drafter", str(out / dname),
            "--prompts", str(prompts_file), "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
-           "--json", str(js)]
+           "-k", str(k), "--json", str(js)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     L.log(f"verify {kind}: " + " ".join(cmd))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (runs / f"verify-{tname}.log").write_text(proc.stdout + proc.stderr)
+    log_path = js.with_suffix(".log")
+    log_path.write_text(proc.stdout + proc.stderr)
     if not js.exists():
         tail = (proc.stdout + proc.stderr)[-3000:]
-        raise CommandError(f"vLLM verification of {kind} failed (rc {proc.returncode}); "
-                           f"log: {runs / f'verify-{tname}.log'}\n{tail}")
+        raise CommandError(f"vLLM verification of {kind} failed (rc {proc.returncode}); log: {log_path}\n{tail}")
     res = json.loads(js.read_text())
     res["command"] = (f"VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 python -m dcut.train.verify "
                       f"--target {out / tname} --drafter {out / dname} --prompts {prompts_file} "
-                      f"--num-prompts {num_prompts} --max-tokens {max_tokens}")
+                      f"--num-prompts {num_prompts} --max-tokens {max_tokens} -k {k}")
     res["seconds"] = round(time.time() - t0, 1)
-    prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()][:num_prompts]
-    target = P.load_target(out / tname)
-    drafter = M.load_drafter(out / dname, M.spec_from_hf_config(target.config))
-    res["offline"] = V.offline_acceptance(target, drafter, TK.load_tokenizer(out / tname), prompts, max_tokens)
+    if k == 15:
+        prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()][:num_prompts]
+        target = P.load_target(out / tname)
+        drafter = M.load_drafter(out / dname, M.spec_from_hf_config(target.config))
+        res["offline"] = V.offline_acceptance(target, drafter, TK.load_tokenizer(out / tname), prompts, max_tokens)
     js.write_text(json.dumps(res, indent=2) + "\n")
-    L.log(f"verify {kind}: identical={res['all_identical']} mean accepted/step={res['mean_accepted_per_step']} "
-          f"per pos={res['acceptance_per_pos']} offline={res['offline']['mean_accepted_per_step']}")
+    L.log(f"verify {kind} (k={k}): identical={res['all_identical']} mean accepted/step="
+          f"{res['mean_accepted_per_step']} per pos={res['acceptance_per_pos']}")
     return res
+
+
+def measure_regime(out: Path, runs: Path, kind: str, profile: Path, sweep: Path, num_prompts: int,
+                   max_tokens: int) -> dict:
+    """Cost figures from the pair's profile and plain-decoding sweep cells, acceptance at widths 1/3/7/15
+    (15 from the pair's verification); saved as ``runs/regime-<target>.json`` for the cards."""
+    from dcut.cli import CommandError
+    from dcut.cost_table import CostTable
+    from dcut.train import regime as R
+
+    for path in (profile, sweep):
+        if not path.exists():
+            raise CommandError(f"{path} not found")
+    sw = json.loads(sweep.read_text())
+    plain = {r["bs"]: r["tokens_per_s"] for r in sw["results"] if r["mode"] == "none"}
+    rows = R.cost_figures(CostTable.load(profile), plain)
+    tname = PAIRS[kind].target
+    acceptance = {}
+    for w in R.WIDTHS:
+        full = runs / f"verify-{tname}.json"
+        res = json.loads(full.read_text()) if w == 15 and full.exists() else \
+            verify_pair(out, runs, kind, num_prompts, max_tokens, k=w)
+        acceptance[w] = {"acceptance_per_pos": res["acceptance_per_pos"],
+                         "mean_accepted_per_step": res["mean_accepted_per_step"]}
+    source = (f"Costs: `{profile}` (the engine's own dummy steps, `dcut profile`) and the `none` cells of `{sweep}` "
+              f"(`dcut sweep`: live plain decoding, step = bs / tokens per s, prefill included); acceptance: "
+              f"`python -m dcut.train.verify -k W`, greedy, {num_prompts} held-out prompts × {max_tokens} tokens, "
+              f"bs 8; machine: {sw.get('machine', {}).get('cpu', 'this machine')}.")
+    record = {"rows": rows, "acceptance": acceptance, "source": source, "in_regime": R.in_regime(rows)}
+    (runs / f"regime-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
 
 
 def run(args) -> int:
@@ -157,50 +227,52 @@ def run(args) -> int:
 
     if stage == "tokenizer":
         P.stage_tokenizer(out, runs, vocab_size=args.vocab_size)
-    elif stage in ("dense", "moe"):
+    elif stage in PAIRS:
         need_tokens()
         P.stage_target(stage, _target_spec(stage), out, runs, _budget(args.minutes, args.steps, args.lr,
                                                                          drafter=False), args.seed)
-    elif stage in ("dense-drafter", "moe-drafter"):
+    elif stage.endswith("-drafter"):
         need_tokens()
         kind = stage.split("-")[0]
-        tname, dname = PAIRS[kind]
+        tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
         if not (out / tname / ".done").exists():
             raise CommandError(f"train the {kind} target first (`dcut train {kind}`)")
-        P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
+        P.stage_drafter(dname, tname, _drafter_spec(kind), out, runs,
                         _budget(args.minutes, args.steps, args.lr, drafter=True), args.seed)
-    elif stage in ("dense-drafter-distill", "moe-drafter-distill"):
+    elif stage.endswith("-drafter-distill"):
         kind = stage.split("-")[0]
-        tname, dname = PAIRS[kind]
+        tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
         if not (out / dname / ".done").exists():
             raise CommandError(f"train the {kind} drafter first (`dcut train {kind}-drafter`)")
         P.stage_drafter_distill(dname, tname, out, runs, _budget(args.minutes, args.steps, args.lr, drafter=True),
-                                args.seed, n_seqs=args.sequences)
+                                args.seed, n_seqs=args.sequences, greedy_share=args.greedy_share)
     elif stage == "verify":
         verify_pair(out, runs, args.pair, args.num_prompts, args.max_tokens)
-        C.write_cards(out, runs, PAIRS[args.pair], command)
+        C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
+    elif stage == "regime":
+        measure_regime(out, runs, args.pair, Path(args.profile), Path(args.sweep), args.num_prompts, args.max_tokens)
+        C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
     elif stage == "all":
         P.stage_tokenizer(out, runs)
-        kinds = ["dense"] if args.skip_moe else ["dense", "moe"]
-        for kind in kinds:
+        for kind in args.pairs:
             a = vars(args)
             P.stage_target(kind, _target_spec(kind), out, runs,
                            _budget(a[f"{kind}_minutes"], a[f"{kind}_steps"], a[f"{kind}_lr"], drafter=False),
                            args.seed)
-            tname, dname = PAIRS[kind]
-            P.stage_drafter(dname, tname, _drafter_spec(), out, runs,
+            tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
+            P.stage_drafter(dname, tname, _drafter_spec(kind), out, runs,
                             _budget(a[f"{kind}_drafter_minutes"], a[f"{kind}_drafter_steps"],
                                     a[f"{kind}_drafter_lr"], drafter=True), args.seed)
             if a[f"{kind}_distill_minutes"] > 0:
                 P.stage_drafter_distill(dname, tname, out, runs,
                                         _budget(a[f"{kind}_distill_minutes"], a[f"{kind}_distill_steps"],
                                                 a[f"{kind}_distill_lr"], drafter=True), args.seed,
-                                        n_seqs=args.sequences)
+                                        n_seqs=args.sequences, greedy_share=PAIRS[kind].greedy_share)
             if not args.no_verify and not (runs / f"verify-{tname}.json").exists():
                 try:
                     verify_pair(out, runs, kind, args.num_prompts, args.max_tokens)
                 except CommandError as e:
                     L.log(f"verify {kind} FAILED: {e}")
-            C.write_cards(out, runs, PAIRS[kind], command)
+            C.write_cards(out, runs, (tname, dname), command)
         L.log(f"all: done in {(time.time() - t0) / 60:.1f} min")
     return 0

@@ -65,6 +65,18 @@ def _acceptance_section(ver: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _width_line(info: dict) -> str:
+    if not (info.get("vary_width") or (info.get("distill") or {}).get("vary_width")):
+        return ""
+    return (" Drafted width varied per block as mode `joint` varies it per step: half the blocks at full "
+            "width, the rest uniform over 1..15, each block holding only its `1 + width` slots (`sample_widths`).")
+
+
+def _share(distill: dict) -> float:
+    """Share of distillation batches from greedy sequences (older records stored 1-in-N)."""
+    return distill.get("greedy_share") or 1 / distill.get("greedy_every", 2)
+
+
 def _distill_line(info: dict) -> str:
     dd = info.get("distill")
     if not dd:
@@ -73,7 +85,7 @@ def _distill_line(info: dict) -> str:
     cmd = f" (`{dd['command']}`)" if dd.get("command") else ""
     return (
         f"\nThen fine-tuned{cmd} on the target's own greedy continuations: {dd['greedy_sequences']} sequences "
-        f"(64-token real-text prompt + greedy tokens), every {dd['greedy_every']}nd batch from them, the others "
+        f"(64-token real-text prompt + greedy tokens), {_share(dd):.0%} of batches from them, the others "
         f"real text; {dd['steps']} steps, peak lr {dd['budget']['lr']}, {dd['train_seconds'] / 60:.1f} min; "
         f"held-out (real text + unseen greedy sequences) weighted loss {ev.get('heldout_loss', float('nan')):.3f}, "
         f"teacher-forced mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.\n"
@@ -89,8 +101,8 @@ def target_card(folder: Path, info: dict, meta: dict, ver: dict | None, command:
     ev = info.get("eval") or {}
     return f"""# dcut-serve embedded {kind} target: `{folder.name}`
 
-A tiny code language model trained from scratch on this machine (2-core CPU, no model hub), the
-default {kind} target of dcut-serve. It writes Python-looking code; it is not a useful assistant.
+A small code language model trained from scratch on this machine (2-core CPU, no model hub), an
+embedded {kind} target of dcut-serve. It writes Python-looking code; it is not a useful assistant.
 
 ## Architecture
 
@@ -110,8 +122,9 @@ Command: `{command}` (seed {info['seed']}).
 fp32 on {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine,
 {info['train_seconds'] / 60:.1f} min.
 {_loss_line(info)}; held-out loss {ev.get('heldout_loss', float('nan')):.3f} nats/token.
-Quality: heavily undertrained (one CPU thread of a 2-core machine shared with other work, well under one
-epoch); greedy output soon falls into repetition loops, which is also part of why drafts get accepted.
+Quality: heavily undertrained ({info.get('threads', 1)} CPU thread(s) of a 2-core machine shared with other work,
+about {info['tokens_seen'] / meta['train_tokens']:.1f} epoch); greedy output soon falls into repetition loops, which is
+also part of why drafts get accepted.
 
 {_acceptance_section(ver)}
 {CALIBRATION_PLACEHOLDER}"""
@@ -141,7 +154,8 @@ Command: `{command}` (seed {info['seed']}).
 Target frozen. Per sequence of {info['budget']['seq_len']} tokens, random anchor positions; each block sees the
 target features strictly before its anchor and itself bidirectionally; slot k predicts the *target's greedy
 (argmax) token* at position anchor + k (teacher-forced on the training text), cross-entropy weighted by
-exp(-(k-1)/{info['gamma']:g}). {info['steps']} steps, batch {info['budget']['batch']}, peak lr {info['budget']['lr']},
+exp(-(k-1)/{info['gamma']:g}).{_width_line(info)}
+{info['steps']} steps, batch {info['budget']['batch']}, peak lr {info['budget']['lr']},
 {info.get('blocks_per_seq', 16)} blocks per sequence, {info['train_seconds'] / 60:.1f} min on
 {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine.
 {_loss_line(info)}; held-out weighted loss {ev.get('heldout_loss', float('nan')):.3f}; held-out teacher-forced
@@ -151,14 +165,27 @@ mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.
 {CALIBRATION_PLACEHOLDER}"""
 
 
+def _regime(runs: Path, target: str) -> str:
+    """The pair's cost-regime section (`dcut train regime`), or nothing before it is measured."""
+    from dcut.train.regime import regime_section
+
+    path = runs / f"regime-{target}.json"
+    if not path.exists():
+        return ""
+    rec = json.loads(path.read_text())
+    rows = {int(bs): {**r, "draft_ms": {int(w): v for w, v in r["draft_ms"].items()}} for bs, r in rec["rows"].items()}
+    return "\n" + regime_section(rows, {int(w): a for w, a in rec["acceptance"].items()}, rec["source"])
+
+
 def write_cards(out: Path, runs: Path, pair: tuple[str, str], command: str) -> None:
     meta = json.loads((runs / "data" / "meta.json").read_text())
     ver_path = runs / f"verify-{pair[0]}.json"
     ver = json.loads(ver_path.read_text()) if ver_path.exists() else None
+    regime = _regime(runs, pair[0])
     tgt, drf = out / pair[0], out / pair[1]
     if (tgt / ".done").exists():
         info = json.loads((tgt / ".done").read_text())
-        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, info.get("command") or command))
+        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, info.get("command") or command) + regime)
     if (drf / ".done").exists():
         info = json.loads((drf / ".done").read_text())
-        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, info.get("command") or command))
+        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, info.get("command") or command) + regime)

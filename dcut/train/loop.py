@@ -149,20 +149,34 @@ def train_target(spec: M.TargetSpec, tokens: np.ndarray, heldout: np.ndarray, ru
     return model, state
 
 
-def _drafter_batch_outputs(drafter, target, x, anchors, gamma):
+def _drafter_batch_outputs(drafter, target, x, anchors, gamma, widths=None):
+    """Loss, per-slot correctness [B, nb, K] and accepted drafts per block. With ``widths`` [B, nb]
+    each block drafts only that many positions: its later slots count neither in the loss nor as
+    accepted."""
     block = drafter.dspec.block_size
     with torch.no_grad():
         tlogits, aux = M.target_aux_hidden(target, x, drafter.dspec.target_layer_ids)
         am = tlogits.argmax(-1)  # [B, T] target's greedy next token at each position
-    dl = M.drafter_logits(drafter, target, aux, x, anchors)[:, :, 1:]  # [B, nb, block-1, V]
+    dl = M.drafter_logits(drafter, target, aux, x, anchors, widths)[:, :, 1:]  # [B, nb, block-1, V]
     idx = anchors[:, :, None] + torch.arange(block - 1)  # slot k predicts position a+k: argmax at a+k-1
     labels = torch.gather(am, 1, idx.view(x.shape[0], -1)).view_as(idx)
-    w = M.position_weights(block, gamma)
+    w = M.position_weights(block, gamma).expand_as(labels)
+    if widths is not None:
+        w = w * (torch.arange(1, block) <= widths[..., None])
     ce = F.cross_entropy(dl.reshape(-1, dl.shape[-1]).float(), labels.reshape(-1), reduction="none").view_as(labels)
-    loss = (ce * w).sum() / (w.sum() * ce.shape[0] * ce.shape[1])
-    correct = dl.argmax(-1) == labels  # [B, nb, K]
+    loss = (ce * w).sum() / w.sum()
+    correct = (dl.argmax(-1) == labels) & (w > 0)  # [B, nb, K]
     accepted = torch.cumprod(correct.int(), dim=-1).sum(-1).float()  # leading correct drafts per block
     return loss, correct, accepted
+
+
+def sample_widths(batch: int, nb: int, block: int, seed: int, step: int, full_share: float = 0.5) -> torch.Tensor:
+    """Drafted width per training block: the full block for ``full_share`` of blocks, otherwise
+    uniform over 1..block-1 -- mode ``joint`` drafts any width, so every width is trained."""
+    g = torch.Generator().manual_seed(seed * 1_000_033 + step)
+    uniform = torch.randint(1, block, (batch, nb), generator=g)
+    full = torch.rand(batch, nb, generator=g) < full_share
+    return torch.where(full, torch.full_like(uniform, block - 1), uniform)
 
 
 def sample_anchors(batch: int, T: int, nb: int, block: int, seed: int, step: int) -> torch.Tensor:
@@ -193,9 +207,10 @@ def generate_greedy(target, tokens: np.ndarray, n_seqs: int, total_len: int, pro
 
 def train_drafter(target, dspec: M.DrafterSpec, tokens: np.ndarray, heldout: np.ndarray, run_dir: Path,
                   budget: Budget, seed: int = 0, blocks_per_seq: int = 16, gamma: float = 7.0,
-                  greedy: np.ndarray | None = None, greedy_every: int = 2, init=None):
+                  greedy: np.ndarray | None = None, greedy_share: float = 0.5, init=None, vary_width: bool = True):
     """Train (or, with ``init``, fine-tune) a DFlash drafter against the frozen target. With ``greedy``
-    (sequences from `generate_greedy`), every ``greedy_every``-th batch comes from those sequences."""
+    (sequences from `generate_greedy`), a ``greedy_share`` of batches comes from those sequences;
+    with ``vary_width`` each block drafts a random width (`sample_widths`). Evaluation is at full width."""
     torch.manual_seed(seed + 1)
     target.eval()
     for p in target.parameters():
@@ -216,13 +231,15 @@ def train_drafter(target, dspec: M.DrafterSpec, tokens: np.ndarray, heldout: np.
         greedy = greedy[: len(greedy) - n_ev]
 
     def step_fn(step):
-        if greedy is not None and step % greedy_every == 0:
-            rows = np.random.default_rng([seed, step, 1]).integers(0, len(greedy), size=budget.batch)
+        rng = np.random.default_rng([seed, step, 1])
+        if greedy is not None and rng.random() < greedy_share:
+            rows = rng.integers(0, len(greedy), size=budget.batch)
             x = torch.from_numpy(greedy[rows, :T].astype(np.int64))
         else:
             x = sample_batch(tokens, budget.batch, T, seed, step)
         anchors = sample_anchors(budget.batch, T, blocks_per_seq, dspec.block_size, seed, step)
-        loss, correct, accepted = _drafter_batch_outputs(drafter, target, x, anchors, gamma)
+        widths = sample_widths(budget.batch, blocks_per_seq, dspec.block_size, seed, step) if vary_width else None
+        loss, correct, accepted = _drafter_batch_outputs(drafter, target, x, anchors, gamma, widths)
         return loss, {"acc1": round(float(correct[..., 0].float().mean()), 3),
                       "tau": round(float(accepted.mean()), 3)}
 
@@ -245,5 +262,6 @@ def train_drafter(target, dspec: M.DrafterSpec, tokens: np.ndarray, heldout: np.
                 "heldout_mean_accepted_teacher_forced": round(float(a.mean()), 3)}
 
     state = _run_loop("drafter", [p for p in drafter.parameters() if p.requires_grad], step_fn, run_dir,
-                      budget, seed, {"dspec": asdict(dspec), "params": nparams, "gamma": gamma}, drafter, eval_fn)
+                      budget, seed, {"dspec": asdict(dspec), "params": nparams, "gamma": gamma,
+                                                  "vary_width": vary_width}, drafter, eval_fn)
     return drafter, state

@@ -229,15 +229,23 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def block_attention_mask(anchors: torch.Tensor, T: int, block: int) -> torch.Tensor:
+def block_attention_mask(anchors: torch.Tensor, T: int, block: int,
+                         widths: torch.Tensor | None = None) -> torch.Tensor:
     """anchors [B, nb] -> bool mask [B, 1, nb*block, T + nb*block]: block b sees context
-    positions < anchors[b] and all tokens of its own block (bidirectional)."""
+    positions < anchors[b] and the tokens of its own block (bidirectional). With ``widths`` [B, nb],
+    block b holds only its first ``1 + widths[b]`` slots (the anchor and ``widths[b]`` masks), as
+    vLLM's DFlash builds it when it drafts ``widths[b]`` positions; later slots are padding no
+    query attends to."""
     B, nb = anchors.shape
     Q = nb * block
     ctx_ok = torch.arange(T, device=anchors.device)[None, None, :] < anchors[:, :, None]  # [B, nb, T]
     ctx_ok = ctx_ok.repeat_interleave(block, dim=1)  # [B, Q, T]
     blk = torch.arange(Q, device=anchors.device) // block
     self_ok = (blk[:, None] == blk[None, :]).expand(B, Q, Q)
+    if widths is not None:
+        slot = torch.arange(Q, device=anchors.device) % block
+        held = slot[None, :] <= widths.repeat_interleave(block, dim=1)  # [B, Q] key slot is in its block
+        self_ok = self_ok & held[:, None, :]
     return torch.cat([ctx_ok, self_ok], dim=-1)[:, None]
 
 
@@ -260,9 +268,9 @@ def target_aux_hidden(target, input_ids: torch.Tensor, layer_ids: list[int]):
     return out.logits, aux
 
 
-def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors):
+def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors, widths=None):
     """Build query blocks [anchor token, mask x (block-1)] at the anchors and return logits
-    [B, nb, block, V] (slot k predicts position anchor + k)."""
+    [B, nb, block, V] (slot k predicts position anchor + k); ``widths`` as in `block_attention_mask`."""
     block = drafter.dspec.block_size
     B, T = input_ids.shape
     nb = anchors.shape[1]
@@ -270,7 +278,7 @@ def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors):
     q_ids = torch.full((B, nb, block), MASK_ID, dtype=torch.long, device=input_ids.device)
     q_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
     q_pos = anchors[:, :, None] + torch.arange(block, device=input_ids.device)
-    mask = block_attention_mask(anchors, T, block)
+    mask = block_attention_mask(anchors, T, block, widths)
     hid = drafter(aux, None, embed(q_ids.view(B, nb * block)), q_pos.view(B, nb * block), mask)
     logits = target.lm_head(hid)
     return logits.view(B, nb, block, -1)

@@ -134,14 +134,16 @@ def stage_drafter(name: str, target_name: str, dspec: M.DrafterSpec, out: Path, 
     info = {"name": name, "target": target_name, "dspec": asdict(dspec), "params": state["params"],
             "steps": state["step"], "train_seconds": round(state["elapsed"], 1),
             "wall_seconds": round(time.time() - t0, 1), "gamma": gamma, "budget": asdict(budget),
-            "blocks_per_seq": blocks_per_seq, "threads": torch.get_num_threads(), "command": _argv_command(),
+            "blocks_per_seq": blocks_per_seq, "vary_width": state.get("vary_width", False),
+            "threads": torch.get_num_threads(), "command": _argv_command(),
             "seed": seed, "history": state["history"], "eval": state.get("eval")}
     _mark_done(folder, info)
     return info
 
 
 def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, budget: L.Budget, seed: int,
-                          n_seqs: int = 256, gamma: float = 7.0, blocks_per_seq: int = 32) -> dict:
+                          n_seqs: int = 256, gamma: float = 7.0, blocks_per_seq: int = 32,
+                          greedy_share: float = 0.5) -> dict:
     """Fine-tune a trained drafter on a mix of real text and the target's own greedy continuations."""
     folder = out / name
     info = json.loads((folder / ".done").read_text())
@@ -169,9 +171,11 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
     init = M.load_drafter(folder, M.spec_from_hf_config(target.config))
     t0 = time.time()
     drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill", budget, seed,
-                                     gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init)
+                                     gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init,
+                                     greedy_share=greedy_share)
     M.save_drafter(drafter, folder)
-    info["distill"] = {"greedy_sequences": int(len(greedy)), "greedy_every": 2, "command": _argv_command(),
+    info["distill"] = {"greedy_sequences": int(len(greedy)), "vary_width": state.get("vary_width", False),
+                       "greedy_share": greedy_share, "command": _argv_command(),
                        "steps": state["step"],
                        "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
                        "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}

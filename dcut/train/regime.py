@@ -1,0 +1,77 @@
+"""Where a pair sits: the engine's own cost figures (plain step, full-width verification, drafter per
+width) and acceptance per position at several drafted widths, for the model cards (issue 11's bar:
+the target's forward dominates a plain step at bs 1, full-width verification at bs 64 is >= 5x a
+plain step, the drafter at width 15 is <= 1.5 plain steps at bs 16)."""
+
+from __future__ import annotations
+
+from dcut.cost_table import CostTable
+
+BATCH_SIZES = (1, 16, 64)
+WIDTHS = (1, 3, 7, 15)
+
+
+def cost_figures(table: CostTable, plain_tokens_per_s: dict[int, float], k: int = 15) -> dict[int, dict]:
+    """Per batch size: the profiled forward of a plain step and of full-width verification, the drafter's
+    pass per width (ms), and the live plain step (``bs / tokens_per_s`` of plain decoding) whose
+    remainder over the forward is the engine's fixed per-step overhead."""
+    rows = {}
+    for bs in BATCH_SIZES:
+        forward = table.lookup(bs, bs)
+        full = table.lookup(bs, bs * (1 + k))
+        if forward is None or full is None:
+            continue
+        row = {"forward_ms": forward, "full_verify_ms": full,
+               "draft_ms": {w: table.draft_cost(bs, w) for w in WIDTHS}}
+        tps = plain_tokens_per_s.get(bs)
+        if tps:
+            step = 1000.0 * bs / tps
+            row |= {"plain_step_ms": step, "overhead_ms": max(0.0, step - forward), "forward_share": forward / step,
+                    "full_over_plain": full / step, "draft15_over_plain": (row["draft_ms"][15] or 0.0) / step}
+        rows[bs] = row
+    return rows
+
+
+def in_regime(rows: dict[int, dict]) -> dict[str, bool | None]:
+    """Issue 11's three conditions, each None when its figures are missing."""
+    def cond(bs: int, key: str, test) -> bool | None:
+        v = rows.get(bs, {}).get(key)
+        return None if v is None else bool(test(v))
+
+    return {"forward_dominates_bs1": cond(1, "forward_share", lambda v: v > 0.5),
+            "full_verify_ge_5x_plain_bs64": cond(64, "full_over_plain", lambda v: v >= 5.0),
+            "draft15_le_1.5x_plain_bs16": cond(16, "draft15_over_plain", lambda v: v <= 1.5)}
+
+
+def regime_section(rows: dict[int, dict], acceptance: dict[int, dict], source: str) -> str:
+    """Markdown for the cards: the cost table, the three conditions, acceptance per position per width."""
+    fmt = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = ["## Cost regime (measured)\n", source + "\n",
+             "| bs | plain step (live) | forward (profiled) | fixed overhead | full-width verify | "
+             + " | ".join(f"drafter W={w}" for w in WIDTHS) + " |",
+             "|---|---|---|---|---|" + "---|" * len(WIDTHS)]
+    for bs, r in sorted(rows.items()):
+        lines.append(f"| {bs} | {fmt(r.get('plain_step_ms'))} | {fmt(r['forward_ms'])} | {fmt(r.get('overhead_ms'))} | "
+                     f"{fmt(r['full_verify_ms'])} | " + " | ".join(fmt(r['draft_ms'][w]) for w in WIDTHS) + " |")
+    lines.append("\nAll in ms per engine step.")
+    ok = in_regime(rows)
+    verdict = {True: "yes", False: "**no**", None: "not measured"}
+    r1, r16, r64 = rows.get(1, {}), rows.get(16, {}), rows.get(64, {})
+    lines += [
+        f"- target forward share of a plain step at bs 1: {fmt(r1.get('forward_share'))} "
+        f"(> 0.5: {verdict[ok['forward_dominates_bs1']]})",
+        f"- full-width verification over a plain step at bs 64: {fmt(r64.get('full_over_plain'))}× "
+        f"(≥ 5: {verdict[ok['full_verify_ge_5x_plain_bs64']]})",
+        f"- drafter at width 15 over a plain step at bs 16: {fmt(r16.get('draft15_over_plain'))}× "
+        f"(≤ 1.5: {verdict[ok['draft15_le_1.5x_plain_bs16']]})\n"]
+    if acceptance:
+        n = max(acceptance)
+        lines += ["Acceptance per draft position when vLLM drafts W positions per step (greedy, "
+                  "held-out prompts; fraction of steps whose draft k was accepted), and mean accepted per step:\n",
+                  "| W | mean | " + " | ".join(str(k) for k in range(1, n + 1)) + " |",
+                  "|---|---|" + "---|" * n]
+        for w, a in sorted(acceptance.items()):
+            per = list(a["acceptance_per_pos"]) + [None] * (n - len(a["acceptance_per_pos"]))
+            lines.append(f"| {w} | {a['mean_accepted_per_step']:.2f} | "
+                         + " | ".join("" if v is None else f"{v:.2f}" for v in per) + " |")
+    return "\n".join(lines) + "\n"
