@@ -75,8 +75,10 @@ SpecMethod = Literal["none", "dflash", "draft_model"]
 
 EMBEDDED_MODELS = {
     "dense": ("models/dense", "models/dense-dflash"),
+    "deep": ("models/deep", "models/deep-dflash"),
     "moe": ("models/moe", "models/moe-dflash"),
 }
+DEFAULT_PAIR = "dense"
 
 
 class EngineSettings(BaseModel):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
-from dcut.settings import EMBEDDED_MODELS, DCutSettings, EngineSettings
+from dcut.cli import CommandError
+from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    dense, dense_draft = EMBEDDED_MODELS["dense"]
-    parser.add_argument("--model", default=dense, help="target model folder (default: embedded Dense)")
-    parser.add_argument("--draft", default=dense_draft, help="drafter folder (default: its DFlash drafter)")
+    parser.add_argument("--pair", choices=sorted(EMBEDDED_MODELS), default=DEFAULT_PAIR,
+                        help=f"embedded target/drafter pair (default: {DEFAULT_PAIR}); --model/--draft override it")
+    parser.add_argument("--model", help="target model folder (default: the --pair's target)")
+    parser.add_argument("--draft", help="drafter folder (default: the --pair's DFlash drafter)")
     parser.add_argument("--method", default="dflash", choices=["dflash", "draft_model"])
     parser.add_argument("--k", type=int, default=15, help="drafts per request per step")
     parser.add_argument("--spec-schedule", type=parse_schedule, default=None,
@@ -59,8 +62,14 @@ def engine_environment(tensor_parallel_size: int) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    """Validated settings from the flags (pydantic errors name the setting); sets engine_environment."""
+def engine_settings(args: argparse.Namespace, need_draft: bool = True) -> EngineSettings:
+    """Validated settings from the flags (pydantic errors name the setting); sets engine_environment.
+    The model folders must exist (the drafter's only when ``need_draft``)."""
+    pair_model, pair_draft = EMBEDDED_MODELS[args.pair]
+    args.model, args.draft = args.model or pair_model, args.draft or pair_draft
+    for path in (args.model, args.draft) if need_draft else (args.model,):
+        if not Path(path).is_dir():
+            raise CommandError(f"model folder not found: {path}")
     engine_environment(args.tp)
     dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
                         count_bonus=args.count_bonus, calibrate=args.calibrate,

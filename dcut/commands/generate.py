@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -33,12 +32,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--batch-size: {e}") from e
     if not batch_sizes or min(batch_sizes) < 1 or args.max_tokens < 1:
         raise CommandError("--batch-size and --max-tokens must be >= 1")
-    for path in (args.model, args.draft if args.mode != "none" else args.model):
-        if not Path(path).is_dir():
-            raise CommandError(f"model folder not found: {path}")
     try:
         prompts = load_prompts(args.prompts)
-        settings = settings_for_mode(args.mode, engine_settings(args))
+        settings = settings_for_mode(args.mode, engine_settings(args, need_draft=args.mode != "none"))
     except (ValueError, FileNotFoundError, ValidationError) as e:
         raise CommandError(str(e)) from e
     for result in generate(settings, prompts, batch_sizes, args.max_tokens, temperature=args.temperature):

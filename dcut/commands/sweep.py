@@ -38,9 +38,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--repeats must be >= 1")
     if not sizes or sizes[0] < 1:
         raise CommandError("--bs must be positive integers")
-    for path in (args.model, args.draft):
-        if not Path(path).is_dir():
-            raise CommandError(f"model folder not found: {path}")
     try:
         prompts = load_prompts(args.prompts)
         base = engine_settings(args)

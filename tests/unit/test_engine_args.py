@@ -1,0 +1,42 @@
+"""The command line's engine flags: an embedded pair by name, explicit folders winning, clear errors."""
+
+import argparse
+
+import pytest
+
+from dcut.cli import CommandError
+from dcut.commands.engine_args import add_engine_flags, engine_settings, parse_schedule
+from dcut.settings import EMBEDDED_MODELS
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.parametrize("pair", sorted(EMBEDDED_MODELS))
+def test_pair_names_its_embedded_folders(pair, monkeypatch, tmp_path):
+    model, draft = EMBEDDED_MODELS[pair]
+    for folder in (model, draft):
+        (tmp_path / folder).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    s = engine_settings(_parse("--pair", pair))
+    assert (s.model, s.draft) == (model, draft)
+
+
+def test_explicit_folders_override_the_pair_and_must_exist(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d").mkdir()
+    s = engine_settings(_parse("--pair", "moe", "--model", str(tmp_path / "t"), "--draft", str(tmp_path / "d")))
+    assert (s.model, s.draft) == (str(tmp_path / "t"), str(tmp_path / "d"))
+    with pytest.raises(CommandError, match="model folder not found"):
+        engine_settings(_parse("--model", str(tmp_path / "t"), "--draft", str(tmp_path / "nope")))
+    assert engine_settings(_parse("--model", str(tmp_path / "t"), "--draft", str(tmp_path / "nope")),
+                           need_draft=False).model == str(tmp_path / "t")
+
+
+def test_schedule_parses_or_says_what_it_expected():
+    assert parse_schedule("1-4:15,5-64:3") == [(1, 4, 15), (5, 64, 3)]
+    with pytest.raises(argparse.ArgumentTypeError, match="lo-hi:K"):
+        parse_schedule("1:15")
