@@ -21,12 +21,11 @@ from deployments.ingress import Ingress
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """The ``import_path`` target of ``serve run app.config.yaml`` (``args`` is the config's ``args``)."""
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    raw = cfg.model_dump(mode="json")
     rs = cfg.engine_replica
 
     controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
                                   ray_actor_options={"num_cpus": cfg.controller.num_cpus},
-                                  max_ongoing_requests=1000).bind(raw)
+                                  max_ongoing_requests=1000).bind(cfg.controller, rs.autoscaling)
     engine = serve.deployment(
         EngineReplica, name="EngineReplica",
         ray_actor_options={"num_cpus": rs.num_cpus, "num_gpus": rs.num_gpus,
@@ -35,8 +34,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_queued_requests=rs.max_queued_requests,
         autoscaling_config=rs.autoscaling.serve_config(),
         health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
-    ).bind(raw, controller)
+    ).bind(cfg.engine, rs, controller)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
                                ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests)
-    return ingress.bind(raw, engine, controller)
+    return ingress.bind(cfg.ingress, engine, controller)

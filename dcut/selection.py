@@ -171,11 +171,11 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
     proposed: int | Tensor = bs * k
     if max_depth is not None:
         proposed = max_depth.to(device=device, dtype=torch.int64).clamp(0, k).sum()
-    if settings.mode == "off":
+    if settings.mode == "full":
         depths = torch.full((bs,), k, dtype=torch.int64, device=device)
         if max_depth is not None:
             depths = max_depth.to(device=device, dtype=torch.int64).clamp(0, k)
-        return depths, Decision("off", 1.0, proposed, proposed, proposed, scores.sum() + bonus)
+        return depths, Decision("full", 1.0, proposed, proposed, proposed, scores.sum() + bonus)
 
     if settings.mode == "per_request":  # the baseline D-Cut's global top-k is measured against
         depths = torch.full((bs,), min(settings.per_request_depth, k), dtype=torch.int64, device=device)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Mode = Literal["off", "fixed", "auto", "continuous", "per_request", "joint"]
+Mode = Literal["full", "fixed", "auto", "continuous", "per_request", "joint"]
 ZeroWidth = Literal["catch_up", "vllm"]
 
 
@@ -18,7 +18,7 @@ class DCutSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Mode = Field("auto", description="off: keep all; fixed: a global keep ratio; auto: the four "
+    mode: Mode = Field("auto", description="full: verify every draft; fixed: a global keep ratio; auto: the four "
                        "reference buckets; continuous: any budget on the measured cost staircase; "
                        "per_request: the same number of drafts for every request (a baseline); "
                        "joint: choose the drafted width each step, then the verify budget (dcut.width).")
@@ -72,6 +72,16 @@ class DCutSettings(BaseModel):
 
 
 SpecMethod = Literal["none", "dflash", "draft_model"]
+
+
+def engine_env(tensor_parallel_size: int = 1, kv_cache_gib: int = 2) -> dict[str, str]:
+    """vLLM's environment on a small CPU box, in one place: nothing from a model hub, no usage stats, a
+    ``kv_cache_gib`` KV cache (vLLM's CPU default reserves ~92% of RAM, so two engines could not coexist)
+    and, at TP=1, the engine in-process (it starts in seconds)."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    if tensor_parallel_size == 1:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
 
 EMBEDDED_MODELS = {
     "dense": ("models/dense", "models/dense-dflash"),

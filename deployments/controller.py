@@ -9,19 +9,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import asdict
 
-from app.config import AppConfig
 from dcut.cost_table import CostTable
 from deployments.records import CostTableOffer, ReplicaReport
+from deployments.settings import AutoscalingSettings, ControllerSettings
 
 logger = logging.getLogger("ray.serve")
 
 
 class DCutController:
-    def __init__(self, config: dict):
-        cfg = AppConfig.model_validate(config)
-        self.settings = cfg.controller
-        self.autoscaling = cfg.engine_replica.autoscaling
+    def __init__(self, settings: ControllerSettings, autoscaling: AutoscalingSettings):
+        self.settings = settings
+        self.autoscaling = autoscaling
         self.tables: dict[str, dict[str, CostTable]] = {}  # fingerprint key -> replica -> its latest table
         self.leases: dict[str, tuple[str, float]] = {}  # fingerprint key -> (profiling replica, expires)
         self.reports: dict[str, ReplicaReport] = {}
@@ -53,9 +53,9 @@ class DCutController:
         self.reports[r.replica_id] = r
         if self.leases.get(r.fingerprint, ("",))[0] == r.replica_id:  # its engine runs: done profiling
             del self.leases[r.fingerprint]
-        if r.cost_table is None:
+        if r.dcut is None or r.dcut.cost_table is None:
             return
-        table = CostTable.from_json(r.cost_table)
+        table = CostTable.from_json(r.dcut.cost_table)
         if table.fingerprint.key() != r.fingerprint:
             logger.warning("replica %s sent a cost table of fingerprint %s as %s; ignored", r.replica_id,
                            table.fingerprint.key(), r.fingerprint)
@@ -77,25 +77,28 @@ class DCutController:
         suggested = math.ceil(demand / (per_replica * u)) if per_replica > 0 else None
         replicas = []
         for r in reports:
-            w = r.dcut
+            snap = r.dcut
+            w = snap.window if snap else None
             replicas.append({
                 "replica_id": r.replica_id,
                 "model": r.served_model_name,
                 "fingerprint": r.fingerprint,
-                "cost_source": r.cost_source,
+                "cost_source": snap.cost_source if snap else None,
+                "cost_path": snap.cost_path if snap else None,
                 "start_seconds": round(r.start_seconds, 2),
                 "batch_size": r.load.engine_requests,
-                "batch_size_histogram": w.get("batch_size_histogram"),
-                "keep_ratio": w.get("mean_keep_ratio"),
-                "keep_ratio_histogram": w.get("keep_ratio_histogram"),
-                "acceptance": {"mean_accepted_length": w.get("mean_accepted_length"),
-                               "per_position": w.get("position_acceptance"),
-                               "curve": w.get("acceptance_curve")},
-                "mean_step_ms": w.get("mean_step_ms"),
-                "steps": w.get("steps"),
-                "fallback_steps": w.get("fallback_steps"),
-                "selection_us_median": w.get("selection_us_median"),
-                "estimates": r.estimates,
+                "batch_size_histogram": w and w.batch_size_histogram,
+                "keep_ratio": w and w.mean_keep_ratio,
+                "keep_ratio_histogram": w and w.keep_ratio_histogram,
+                "width_histogram": w and w.width_histogram,
+                "acceptance": {"mean_accepted_length": w and w.mean_accepted_length,
+                               "per_position": w and w.position_acceptance,
+                               "curve": w and w.acceptance_curve},
+                "mean_step_ms": w and w.mean_step_ms,
+                "steps": snap and snap.steps,
+                "fallback_steps": w and w.fallback_steps,
+                "selection_us_median": snap and snap.selection_us_median,
+                "estimates": [asdict(e) for e in snap.estimates] if snap else [],
                 "capacity_tokens_per_s": r.capacity_tokens_per_s,
                 "capacity_from": r.capacity_from,
                 "demand_tokens_per_s": r.demand_tokens_per_s,

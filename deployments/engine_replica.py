@@ -12,6 +12,7 @@ objective rate; demand = running and waiting requests x that rate.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import tempfile
@@ -22,13 +23,13 @@ from typing import Any
 
 from ray import serve
 
-from app.config import AppConfig
 from dcut import telemetry
 from dcut.cost_table import CostTable
 from dcut.settings import EngineSettings
 from dcut.vllm.engine import fingerprint
 from deployments.metrics import ReplicaMetrics
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport
+from deployments.settings import EngineReplicaSettings
 from deployments.vllm_engine import VLLMEngine
 
 logger = logging.getLogger("ray.serve")
@@ -36,28 +37,34 @@ logger = logging.getLogger("ray.serve")
 READ_TIMEOUT_S = 5.0  # reading D-Cut state from the engine (an RPC to the engine core)
 
 
+def engine_class(path: str) -> type[VLLMEngine]:
+    """``module:Class`` of the engine wrapper (a `VLLMEngine` or a subclass)."""
+    module, _, name = path.partition(":")
+    cls = getattr(importlib.import_module(module), name, None)
+    if not (isinstance(cls, type) and issubclass(cls, VLLMEngine)):
+        raise TypeError(f"engine_cls {path!r} is not a VLLMEngine subclass")
+    return cls
+
+
 class EngineReplica:
-    async def __init__(self, config: dict, controller: Any = None):
+    async def __init__(self, engine: EngineSettings, settings: EngineReplicaSettings, controller: Any = None):
         t0 = time.monotonic()
-        self.config = AppConfig.model_validate(config)
-        self.rs = self.config.engine_replica
+        self.engine_settings = engine
+        self.rs = settings
+        self.served_model_name = engine.served_model_name or Path(engine.model).name
         self.controller = controller
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RuntimeError:  # outside a Serve replica
             self.replica_id = f"local-{os.getpid()}"
-        self.fingerprint = fingerprint(self.config.engine).key()
-        settings = await self._with_cost_table(self.config.engine)
-
-        self.engine = VLLMEngine(settings, fault_marker=self.rs.fault_injection_marker)
+        self.fingerprint = fingerprint(engine).key()
+        self.engine = engine_class(self.rs.engine_cls)(await self._with_cost_table(engine))
         await self.engine.start()
-        stats = await self.engine.dcut_stats()
-        self.cost_source = stats["cost_source"] if stats else "off"
+        self._snapshot = await self.engine.dcut_snapshot()
         self.start_seconds = time.monotonic() - t0
         logger.info("EngineReplica %s ready in %.1f s; D-Cut cost table: %s (fingerprint %s)", self.replica_id,
-                    self.start_seconds, self.cost_source, self.fingerprint)
-        self.metrics = ReplicaMetrics(self.replica_id, self.config.served_model_name)
-        self._stats: dict[str, Any] = stats or {}
+                    self.start_seconds, self._snapshot.cost_source if self._snapshot else "off", self.fingerprint)
+        self.metrics = ReplicaMetrics(self.replica_id, self.served_model_name)
         self._telemetry = asyncio.create_task(self._report_forever())
 
     # ---- cost table at start ------------------------------------------------------------------
@@ -101,7 +108,7 @@ class EngineReplica:
 
     def capacity(self) -> tuple[float, str]:
         """Tokens/s this replica can give at the latency objective, and where the figure comes from."""
-        estimates = [telemetry.ThroughputEstimate(**e) for e in self._stats.get("estimates") or []]
+        estimates = self._snapshot.estimates if self._snapshot else []
         if not estimates:
             return self.rs.default_capacity_tokens_per_s, "default"
         best = telemetry.capacity(estimates, self.rs.autoscaling.request_tokens_per_s)
@@ -112,24 +119,19 @@ class EngineReplica:
     def demand(self) -> float:
         """Tokens/s asked of this replica now: its running and waiting requests at the objective rate."""
         load = self.engine.load
-        running = min(load.engine_requests, self.config.engine.max_num_seqs)
+        running = min(load.engine_requests, self.engine_settings.max_num_seqs)
         return telemetry.demand(running, load.ongoing_requests - running, self.rs.autoscaling.request_tokens_per_s)
 
     async def report(self) -> ReplicaReport:
         """Read D-Cut's state from the engine and summarise it with the replica's load."""
-        stats, table = await asyncio.wait_for(
-            asyncio.gather(self.engine.dcut_stats(), self.engine.cost_table()), timeout=READ_TIMEOUT_S)
-        self._stats = stats or {}
+        self._snapshot = await asyncio.wait_for(self.engine.dcut_snapshot(), timeout=READ_TIMEOUT_S)
         capacity, capacity_from = self.capacity()
         return ReplicaReport(
-            replica_id=self.replica_id, served_model_name=self.config.served_model_name,
-            fingerprint=self.fingerprint, cost_source=self.cost_source, start_seconds=self.start_seconds,
+            replica_id=self.replica_id, served_model_name=self.served_model_name,
+            fingerprint=self.fingerprint, start_seconds=self.start_seconds,
             sent_at=time.time(), load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
             capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),
-            estimates=self._stats.get("estimates") or [],
-            dcut={**(self._stats.get("window") or {}), "steps": self._stats.get("steps", 0),
-                  "selection_us_median": self._stats.get("selection_us_median")},
-            cost_table=table)
+            dcut=self._snapshot)
 
     async def _report_forever(self) -> None:
         while True:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from app.config import AppConfig
+from deployments.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="dcut-serve")
@@ -42,9 +42,8 @@ def _sse_error(chunk: str) -> dict | None:
 
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, config: dict, engine: Any, controller: Any):
-        cfg = AppConfig.model_validate(config)
-        self.settings = cfg.ingress
+    def __init__(self, settings: IngressSettings, engine: Any, controller: Any):
+        self.settings = settings
         self.engine = engine
         self.controller = controller
         self._key = self.settings.api_key.encode() if self.settings.api_key else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
+from dcut.snapshot import DCutSnapshot
 from deployments.records import ReplicaReport
 
 _TAGS = ("replica", "model")
@@ -50,25 +51,31 @@ class ReplicaMetrics:
         self._last[name] = total  # the engine's step count restarts when its stats are reset
 
     def update(self, report: ReplicaReport) -> None:
-        t, load, window = self.tags, report.load, report.dcut
+        t, load, snap = self.tags, report.load, report.dcut
         self.capacity.set(report.capacity_tokens_per_s, tags=t)
         self.demand.set(report.demand_tokens_per_s, tags=t)
         self.ongoing.set(load.ongoing_requests, tags=t)
         self.engine_requests.set(load.engine_requests, tags=t)
         self.tokens_per_s.set(load.tokens_per_s, tags=t)
         self.start_seconds.set(report.start_seconds, tags=t)
-        for e in report.estimates:
-            self.estimate.set(e["tokens_per_s"], tags={**t, "batch_size": str(int(e["batch_size"]))})
-        for name, gauge in (("mean_keep_ratio", self.keep_ratio), ("mean_accepted_length", self.accepted_length),
-                            ("selection_us_median", self.selection_us)):
-            if window.get(name) is not None:
-                gauge.set(float(window[name]), tags=t)
-        for position, rate in enumerate(window.get("position_acceptance") or [], 1):
-            if rate is not None:
-                self.position_acceptance.set(rate, tags={**t, "position": str(position)})
-        if histogram := window.get("batch_size_histogram"):
-            steps = sum(histogram.values())
-            self.batch_size.set(sum(int(b) * n for b, n in histogram.items()) / steps, tags=t)
-        self._count("steps", self.steps, int(window.get("steps") or 0))
         self._count("generated", self.generated, load.generated_tokens_total)
         self._count("aborted", self.aborted, load.aborted_total)
+        if snap is not None:
+            self._update_dcut(snap)
+
+    def _update_dcut(self, snap: DCutSnapshot) -> None:
+        t, window = self.tags, snap.window
+        for e in snap.estimates:
+            self.estimate.set(e.tokens_per_s, tags={**t, "batch_size": str(e.batch_size)})
+        for value, gauge in ((window.mean_keep_ratio, self.keep_ratio),
+                             (window.mean_accepted_length, self.accepted_length),
+                             (snap.selection_us_median, self.selection_us)):
+            if value is not None:
+                gauge.set(float(value), tags=t)
+        for position, rate in enumerate(window.position_acceptance, 1):
+            if rate is not None:
+                self.position_acceptance.set(rate, tags={**t, "position": str(position)})
+        if histogram := window.batch_size_histogram:
+            steps = sum(histogram.values())
+            self.batch_size.set(sum(b * n for b, n in histogram.items()) / steps, tags=t)
+        self._count("steps", self.steps, snap.steps)

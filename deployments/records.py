@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
+
+from dcut.snapshot import DCutSnapshot
 
 # Keys of record_autoscaling_stats(); the autoscaling policy reads them back.
 CAPACITY_KEY = "capacity_tokens_per_s"
@@ -28,20 +30,13 @@ class ReplicaReport(BaseModel):
     replica_id: str
     served_model_name: str
     fingerprint: str = Field(description="dcut.cost_table.Fingerprint.key() of the engine.")
-    cost_source: str = Field(description="Where the engine's cost table came from (the plugin's words: "
-                             "'profiled', 'given (path)', 'cache (path)', ...), or 'off'.")
     start_seconds: float
     sent_at: float
     load: EngineLoad
     capacity_tokens_per_s: float
     capacity_from: Literal["estimates", "default"]
     demand_tokens_per_s: float
-    estimates: list[dict[str, float]] = Field(
-        default_factory=list, description="dcut.telemetry.ThroughputEstimate per profiled batch size.")
-    dcut: dict[str, Any] = Field(default_factory=dict,
-                                 description="The plugin's stats window (dcut.telemetry.StepWindow.summary) "
-                                 "plus 'steps' and 'selection_us_median'.")
-    cost_table: dict[str, Any] | None = Field(None, description="The engine's cost table now (JSON form).")
+    dcut: DCutSnapshot | None = Field(None, description="The engine's D-Cut snapshot; None with D-Cut off.")
 
 
 class CostTableOffer(BaseModel):

@@ -19,15 +19,12 @@ from http import HTTPStatus
 from typing import Any
 
 from dcut.settings import EngineSettings
+from dcut.snapshot import DCutSnapshot
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
 from deployments.records import EngineLoad
 
 logger = logging.getLogger(__name__)
-
-
-class InjectedEngineFault(RuntimeError):
-    """Raised (tests only) for a prompt containing the configured fault marker."""
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict:
@@ -57,10 +54,8 @@ class _Throughput:
 
 
 class VLLMEngine:
-    def __init__(self, settings: EngineSettings, fault_marker: str | None = None,
-                 stat_loggers: list | None = None):
+    def __init__(self, settings: EngineSettings, stat_loggers: list | None = None):
         self.settings = settings
-        self.fault_marker = fault_marker
         self._stat_loggers = stat_loggers
         self.engine = None
         self.load = EngineLoad()
@@ -93,24 +88,24 @@ class VLLMEngine:
         self._completion = state.openai_serving_completion
         self._chat = state.openai_serving_chat
 
+    def admit(self, prompt: Any, request_id: str) -> None:
+        """Called with each request at the engine door, before it reaches vLLM; raising fails that request
+        alone. A seam for subclasses (the fault tests' engine raises here); admits everything."""
+
     def _wrap_generate(self) -> None:
-        """Count tokens, running and aborted requests at the engine door (and inject faults in tests)."""
+        """Count tokens, running, failed and aborted requests at the engine door. Wraps this engine
+        instance's ``AsyncLLM.generate`` (the serving classes call it), not the class."""
         from vllm.sampling_params import RequestOutputKind
 
         original = self.engine.generate
-        load, throughput, marker = self.load, self._throughput, self.fault_marker
-        tokenizer_decode = None
+        load, throughput = self.load, self._throughput
 
         async def generate(prompt, sampling_params, request_id, *args, **kwargs):
-            nonlocal tokenizer_decode
-            if marker is not None:
-                text = prompt.get("prompt") if isinstance(prompt, dict) else None
-                if text is None and isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-                    tokenizer_decode = tokenizer_decode or self.engine.renderer.tokenizer.decode
-                    text = tokenizer_decode(prompt["prompt_token_ids"])
-                if text and marker in text:
-                    load.failed_total += 1
-                    raise InjectedEngineFault(f"injected engine fault (request {request_id})")
+            try:
+                self.admit(prompt, request_id)
+            except Exception:
+                load.failed_total += 1
+                raise
             delta = sampling_params.output_kind == RequestOutputKind.DELTA
             produced = 0
             load.engine_requests += 1
@@ -181,13 +176,9 @@ class VLLMEngine:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    async def dcut_stats(self) -> dict[str, Any] | None:
-        """The plugin's D-Cut snapshot (stats window, cost source, throughput estimates); None when off."""
+    async def dcut_snapshot(self) -> DCutSnapshot | None:
+        """The plugin's D-Cut snapshot (stats window, cost source and table, estimates); None when off."""
         return await dcut_api.aread_stats(self.engine)
-
-    async def cost_table(self) -> dict[str, Any] | None:
-        """The engine's cost table now (JSON form), None when it has none."""
-        return await dcut_api.aread_cost_table(self.engine)
 
     def tokens_per_s(self) -> float:
         return self._throughput.rate()

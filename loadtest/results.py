@@ -145,7 +145,7 @@ COLUMNS = [  # (header, attribute, format)
 def markdown_table(results: list[RunResult]) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
              "|" + "|".join("---" if a == "mode" else "---:" for _, a, _ in COLUMNS) + "|"]
-    for r in sorted(results, key=lambda r: (r.users, r.mode != "on")):
+    for r in sorted(results, key=lambda r: (r.users, r.mode != "dcut")):
         cells = []
         for _, attr, fmt in COLUMNS:
             value = getattr(r, attr)
@@ -155,16 +155,17 @@ def markdown_table(results: list[RunResult]) -> str:
 
 
 def ratio_lines(results: list[RunResult]) -> list[str]:
-    """ON / OFF output tokens/s and TTFT p99 at each number of users where both ran."""
+    """D-Cut / full-width output tokens/s and TTFT p99 at each number of users where both ran."""
     by = {(r.mode, r.users): r for r in results}
     lines = []
     for users in sorted({r.users for r in results}):
-        on, off = by.get(("on", users)), by.get(("off", users))
-        if not on or not off or not off.output_tokens_per_s:
+        cut, full = by.get(("dcut", users)), by.get(("full", users))
+        if not cut or not full or not full.output_tokens_per_s:
             continue
-        text = f"- {users} users: output tokens/s ON/OFF = {on.output_tokens_per_s / off.output_tokens_per_s:.2f}x"
-        if on.ttft_p99_ms and off.ttft_p99_ms:
-            text += f", TTFT p99 ON/OFF = {on.ttft_p99_ms / off.ttft_p99_ms:.2f}x"
+        gain = cut.output_tokens_per_s / full.output_tokens_per_s
+        text = f"- {users} users: output tokens/s D-Cut/full = {gain:.2f}x"
+        if cut.ttft_p99_ms and full.ttft_p99_ms:
+            text += f", TTFT p99 D-Cut/full = {cut.ttft_p99_ms / full.ttft_p99_ms:.2f}x"
         lines.append(text)
     return lines
 
@@ -218,11 +219,11 @@ def write_plots(out: Path, results: list[RunResult]) -> list[Path]:
     for attr, label, name in (("output_tokens_per_s", "output tokens/s", "tokens_per_s.png"),
                               ("ttft_p99_ms", "TTFT p99 (ms)", "ttft_p99.png")):
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for mode, style in (("on", "o-"), ("off", "s--")):
+        for mode, style in (("dcut", "o-"), ("full", "s--")):
             rows = sorted((r for r in results if r.mode == mode and getattr(r, attr) is not None),
                           key=lambda r: r.users)
             if rows:
-                ax.plot([r.users for r in rows], [getattr(r, attr) for r in rows], style, label=f"D-Cut {mode}")
+                ax.plot([r.users for r in rows], [getattr(r, attr) for r in rows], style, label=mode)
         ax.set_xlabel("concurrent users")
         ax.set_ylabel(label)
         ax.set_xticks(sorted({r.users for r in results}))

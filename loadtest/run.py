@@ -2,7 +2,7 @@
 
     python -m loadtest.run --out docs/loadtest [--users 64,128,256] [--duration 60] [--config app.config.yaml]
 
-For each mode (``on``: the config as is; ``off``: the same config with ``engine.dcut.mode: off``,
+For each mode (``dcut``: the config as is; ``full``: the same config with ``engine.dcut.mode: full``,
 every draft verified) it writes a temporary config, starts ``serve run`` on it, waits for /health
 and a first completion, runs ``locust --headless`` once per user count (ramp, then ``--duration``
 seconds measured, then in-flight requests finish), and stops everything. Then it writes
@@ -66,13 +66,13 @@ def app_entry(config: dict) -> dict:
 
 
 def mode_config(base: dict, mode: str, overrides: list[str], port: int | None) -> dict:
-    """The config to serve for one mode: overrides, then D-Cut off for ``off``, then the port."""
+    """The config to serve for one mode: overrides, then every draft verified for ``full``, then the port."""
     config = copy.deepcopy(base)
     args = app_entry(config).setdefault("args", {})
     for assignment in overrides:
         apply_override(args, assignment)
-    if mode == "off":
-        args.setdefault("engine", {}).setdefault("dcut", {})["mode"] = "off"
+    if mode == "full":
+        args.setdefault("engine", {}).setdefault("dcut", {})["mode"] = "full"
     if port is not None:
         config.setdefault("http_options", {})["port"] = port
     return config
@@ -153,13 +153,13 @@ def run_mode(mode: str, config: dict, users_list: list[int], opts, work: Path) -
     try:
         auto = cfg.engine_replica.autoscaling
         replicas = auto.initial_replicas or auto.min_replicas
-        info["ready_s"] = round(serve.wait_ready(cfg.served_model_name, opts.start_timeout, replicas=replicas,
+        info["ready_s"] = round(serve.wait_ready(cfg.engine.served_model_name, opts.start_timeout, replicas=replicas,
                                                  progress=log), 1)
         log(f"  ready after {info['ready_s']} s")
         for users in users_list:
             prefix = work / f"{mode}-u{users}"
             log(f"D-Cut {mode}, {users} users: ramp {opts.ramp} s + {opts.duration} s")
-            rc = run_locust(prefix, users, base_url, opts, cfg.ingress.api_key, cfg.served_model_name, serve)
+            rc = run_locust(prefix, users, base_url, opts, cfg.ingress.api_key, cfg.engine.served_model_name, serve)
             if not Path(f"{prefix}_stats.csv").exists():
                 tail = Path(f"{prefix}.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"locust wrote no stats (exit {rc}):\n{tail}")
@@ -195,7 +195,7 @@ def parse_args(argv=None):
     p.add_argument("--stop-timeout", type=int, default=0,
                    help="seconds in-flight requests get to finish when a run ends (Locust's CSV does not "
                    "see them: tokens they streamed before the end are counted either way)")
-    p.add_argument("--modes", default="on,off", help="on: the config as is; off: engine.dcut.mode=off")
+    p.add_argument("--modes", default="dcut,full", help="dcut: the config as is; full: engine.dcut.mode=full")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override the app's args for every mode (repeatable)")
@@ -214,8 +214,8 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     users_list = [int(u) for u in opts.users.split(",") if u.strip()]
     modes = [m.strip() for m in opts.modes.split(",") if m.strip()]
-    if not set(modes) <= {"on", "off"}:
-        raise SystemExit("--modes takes on and/or off")
+    if not set(modes) <= {"dcut", "full"}:
+        raise SystemExit("--modes takes dcut and/or full")
     base = yaml.safe_load(opts.config.read_text())
     configs = {mode: mode_config(base, mode, opts.overrides, opts.port) for mode in modes}
     for config in configs.values():
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
                     if src.exists():
                         shutil.copy(src, csv_dir / src.name)
             cfg0 = validated_args(next(iter(configs.values())))
-            model_note = _model_note(cfg0, validated_args(mode_config(base, "on", [], None)))
+            model_note = _model_note(cfg0, validated_args(mode_config(base, "dcut", [], None)))
             meta = {
                 "started": started,
                 "finished": dt.datetime.now().isoformat(timespec="seconds"),

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dcut.settings import DCutSettings, EngineSettings
+from dcut.snapshot import DCutSnapshot, WindowSummary
 
 GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request", "joint")
 DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
@@ -24,8 +25,7 @@ def settings_for_mode(mode: str, base: EngineSettings) -> EngineSettings:
     dcut = base.dcut or DCutSettings()
     if mode == "none":
         return base.model_copy(update={"method": "none", "draft": None, "dcut": None})
-    dcut_mode = "off" if mode == "full" else mode
-    return base.model_copy(update={"dcut": dcut.model_copy(update={"mode": dcut_mode})})
+    return base.model_copy(update={"dcut": dcut.model_copy(update={"mode": mode})})
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -45,6 +45,22 @@ def load_prompts(path: str | Path) -> list[str]:
     if not lines:
         raise ValueError(f"no prompts in {path}")
     return lines
+
+
+def _dcut_fields(stats: DCutSnapshot | None, window: WindowSummary | None) -> dict[str, Any]:
+    """The snapshot's figures a benchmark row carries (all None without D-Cut)."""
+    w = window.model_dump(mode="json") if window else {}
+    s = stats.model_dump(mode="json") if stats else {}
+    return {
+        "mean_accepted_length": w.get("mean_accepted_length"), "mean_keep_ratio": w.get("mean_keep_ratio"),
+        "keep_ratio_histogram": w.get("keep_ratio_histogram"), "per_position_acceptance": w.get("position_acceptance"),
+        "mean_step_ms": w.get("mean_step_ms"), "selection_us_median": s.get("selection_us_median"),
+        "steps": w.get("steps"), "width_histogram": w.get("width_histogram"), "probe_steps": w.get("probe_steps"),
+        "mean_verify_ms": w.get("mean_verify_ms"), "mean_draft_ms": w.get("mean_draft_ms"),
+        "overhead_ms": s.get("overhead"), "width_survival": s.get("width_survival"),
+        "cost_table": s.get("cost_table"), "cost_source": s.get("cost_source"), "dcut_settings": s.get("settings"),
+        "calibration": s.get("calibration"),
+    }
 
 
 def token_ids_sha256(token_ids: list[list[int]]) -> str:
@@ -89,12 +105,12 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
         rates = sorted(produced / w for w in walls if w > 0)
         wall = statistics.median(walls)
         stats = read_stats(llm) if with_dcut else None
-        window = (stats or {}).get("window", {})
+        window = stats.window if stats else None
         results.append({
             "model": settings.model,
             "draft": settings.draft,
             "method": settings.method,
-            "mode": "none" if not with_dcut else ("full" if settings.dcut.mode == "off" else settings.dcut.mode),
+            "mode": settings.dcut.mode if with_dcut else "none",
             "k": settings.num_speculative_tokens if settings.method != "none" else 0,
             "batch_size": bs,
             "max_tokens": max_tokens,
@@ -105,23 +121,7 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
             "tokens_per_s": statistics.median(rates) if rates else 0.0,
             "tokens_per_s_min": rates[0] if rates else 0.0,
             "tokens_per_s_max": rates[-1] if rates else 0.0,
-            "mean_accepted_length": window.get("mean_accepted_length"),
-            "mean_keep_ratio": window.get("mean_keep_ratio"),
-            "keep_ratio_histogram": window.get("keep_ratio_histogram"),
-            "per_position_acceptance": window.get("position_acceptance"),
-            "mean_step_ms": window.get("mean_step_ms"),
-            "selection_us_median": (stats or {}).get("selection_us_median"),
-            "steps": window.get("steps"),
-            "width_histogram": window.get("width_histogram"),
-            "probe_steps": window.get("probe_steps"),
-            "mean_verify_ms": window.get("mean_verify_ms"),
-            "mean_draft_ms": window.get("mean_draft_ms"),
-            "overhead_ms": (stats or {}).get("overhead_ms"),
-            "width_survival": (stats or {}).get("width_survival"),
-            "cost_table": (stats or {}).get("cost_table"),
-            "cost_source": (stats or {}).get("cost_source"),
-            "dcut_settings": (stats or {}).get("settings"),
-            "calibration": (stats or {}).get("calibration"),
+            **_dcut_fields(stats, window),
             "token_ids_sha256": token_ids_sha256(token_ids),
         })
     del llm

@@ -6,7 +6,7 @@ engine serves all batch sizes of a mode. Modes:
 - ``none`` plain decoding, no drafter;           ``full`` every draft verified;
 - ``dynamic`` vLLM's own ``num_speculative_tokens_per_batch_size``, with the best K per batch
   size found by the sweep itself (fixed K in {1, 3, 7, K} first, full width);
-- ``fixed-per-request`` the same number of drafts for every request, at the budget ``auto`` chose;
+- ``per_request`` the same number of drafts for every request, at the budget ``auto`` chose;
 - ``auto`` / ``continuous`` D-Cut choosing what to verify (the drafter always drafts K);
 - ``joint`` D-Cut choosing the drafted width each step, then what to verify (``dcut.width``).
 
@@ -28,7 +28,7 @@ from dcut.bench.generate import generate, settings_for_mode
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
-SWEEP_MODES = ("none", "full", "dynamic", "fixed-per-request", "auto", "continuous", "joint")
+SWEEP_MODES = ("none", "full", "dynamic", "per_request", "auto", "continuous", "joint")
 DYNAMIC_KS = (1, 3, 7)  # plus the sweep's own K
 REPEATS = 3
 
@@ -72,10 +72,10 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
     plan = [m for m in ("none", "full", "auto", "continuous", "joint") if m in modes]
-    if "fixed-per-request" in modes and "auto" not in plan:
-        plan.append("auto")  # fixed-per-request needs auto's budget
+    if "per_request" in modes and "auto" not in plan:
+        plan.append("auto")  # per_request needs auto's budget
     dynamic_ks = [kk for kk in DYNAMIC_KS if kk < k] + [k]
-    bar = tqdm(total=len(plan) + ("dynamic" in modes) * (len(dynamic_ks) + 1) + ("fixed-per-request" in modes),
+    bar = tqdm(total=len(plan) + ("dynamic" in modes) * (len(dynamic_ks) + 1) + ("per_request" in modes),
                desc="sweep", unit="engine")
     for mode in plan:
         bar.set_postfix_str(mode)
@@ -83,16 +83,16 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             rows[(mode, r["batch_size"])] = r
         bar.update()
 
-    if "fixed-per-request" in modes:
-        bar.set_postfix_str("fixed-per-request")
+    if "per_request" in modes:
+        bar.set_postfix_str("per_request")
         depths: dict[int, list[int]] = {}
         for bs in batch_sizes:
             ratio = rows[("auto", bs)].get("mean_keep_ratio") or 1.0
             depths.setdefault(max(0, min(k, round(ratio * k))), []).append(bs)
         for depth, sizes in sorted(depths.items()):
             for r in run_cell(base, "per_request", sizes, prompts, max_tokens, repeats, per_request_depth=depth):
-                r["mode"], r["per_request_depth"] = "fixed-per-request", r["dcut_settings"]["per_request_depth"]
-                rows[("fixed-per-request", r["batch_size"])] = r
+                r["mode"], r["per_request_depth"] = "per_request", r["dcut_settings"]["per_request_depth"]
+                rows[("per_request", r["batch_size"])] = r
         bar.update()
 
     if "dynamic" in modes:

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from dcut.cli import CommandError
-from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings
+from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings, engine_env
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -52,14 +52,10 @@ def parse_schedule(text: str) -> list[tuple[int, int, int]]:
 
 
 def engine_environment(tensor_parallel_size: int) -> None:
-    """Defaults for engines started from the command line (the user's environment wins):
-    nothing from a model hub; engine logs on stderr; on CPU a 2 GiB KV cache (vLLM's CPU default reserves ~92% of RAM,
-    so two engines could not coexist) and, at TP=1, the engine in-process (starts in seconds)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the --json output
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    if tensor_parallel_size == 1:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """`dcut.settings.engine_env` for engines started from the command line (the user's environment
+    wins); engine logs on stderr, as stdout carries the --json output."""
+    for key, value in {**engine_env(tensor_parallel_size), "VLLM_LOGGING_STREAM": "ext://sys.stderr"}.items():
+        os.environ.setdefault(key, value)
 
 
 def engine_settings(args: argparse.Namespace, need_draft: bool = True) -> EngineSettings:

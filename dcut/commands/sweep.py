@@ -12,7 +12,7 @@ from dcut.bench.sweep import REPEATS, SWEEP_MODES, SweepError, sweep
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
 
-HELP = "Batch-size sweep of none/full/dynamic/fixed-per-request/auto/continuous/joint; table, JSON and plots."
+HELP = "Batch-size sweep of none/full/dynamic/per_request/auto/continuous/joint; table, JSON and plots."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

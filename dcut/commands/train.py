@@ -134,6 +134,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     """vLLM check in a subprocess (vLLM needs a __main__ guard) drafting ``k`` positions per step,
     plus (at the full block) the PyTorch replay."""
     from dcut.cli import CommandError
+    from dcut.settings import engine_env
     from dcut.train import loop as L
     from dcut.train import models as M
     from dcut.train import pipeline as P
@@ -148,7 +149,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     cmd = [sys.executable, "-m", "dcut.train.verify", "--target", str(out / tname), "--drafter", str(out / dname),
            "--prompts", str(prompts_file), "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
            "-k", str(k), "--json", str(js)]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    env = {**os.environ, **engine_env(kv_cache_gib=1)}
     L.log(f"verify {kind}: " + " ".join(cmd))
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

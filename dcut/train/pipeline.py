@@ -155,12 +155,13 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
         t0 = time.time()
         import os
         import subprocess
-        import sys
+
+        from dcut.settings import engine_env
 
         cmd = [sys.executable, "-m", "dcut.train.verify", "generate", "--target", str(out / target_name),
                "--tokens", str(runs / "data" / "train.npy"), "--out", str(data), "--n", str(n_seqs),
                "--prompt-len", "64", "--total-len", str(budget.seq_len), "--seed", str(seed)]
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+        env = {**os.environ, **engine_env(kv_cache_gib=1)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not data.exists():  # fall back to HF generate
             L.log(f"{name}: vLLM greedy generation failed (rc {proc.returncode}): {proc.stderr[-1500:]}")

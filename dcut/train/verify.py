@@ -14,6 +14,13 @@ import sys
 import time
 
 
+def _environment() -> None:
+    from dcut.settings import engine_env
+
+    for key, value in engine_env(kv_cache_gib=1).items():
+        os.environ.setdefault(key, value)
+
+
 def _metrics(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
@@ -35,9 +42,7 @@ def _delta(after: dict, before: dict) -> dict:
 
 def run_verify(target: str, drafter: str | None, prompts: list[str], max_tokens: int, k: int,
                max_num_seqs: int = 8) -> dict:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _environment()
     from vllm import LLM, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -80,8 +85,7 @@ def generate_greedy_vllm(target: str, tokens_npy: str, n: int, prompt_len: int, 
                          out_npy: str) -> None:
     """Self-distillation data with vLLM (much faster than HF generate on CPU): real-text prompts
     of prompt_len tokens from the training split, continued greedily to total_len tokens."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _environment()
     import numpy as np
     from vllm import LLM, SamplingParams
 

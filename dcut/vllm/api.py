@@ -7,10 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from dcut.snapshot import DCutSnapshot
 
-def read_stats(llm: Any) -> dict[str, Any] | None:
-    """Recent D-Cut step telemetry of an offline ``vllm.LLM``; None when D-Cut is off."""
-    return llm.collective_rpc("dcut_stats")[0]
+
+def _snapshot(raw: dict[str, Any] | None) -> DCutSnapshot | None:
+    return None if raw is None else DCutSnapshot.model_validate(raw)
+
+
+def read_stats(llm: Any) -> DCutSnapshot | None:
+    """D-Cut's snapshot (recent steps, cost source, estimates) of an offline ``vllm.LLM``; None when off."""
+    return _snapshot(llm.collective_rpc("dcut_stats")[0])
 
 
 def read_cost_table(llm: Any) -> dict[str, Any] | None:
@@ -22,9 +28,9 @@ def reset_stats(llm: Any) -> None:
     llm.collective_rpc("dcut_reset_stats")
 
 
-async def aread_stats(engine: Any) -> dict[str, Any] | None:
+async def aread_stats(engine: Any) -> DCutSnapshot | None:
     """As ``read_stats``, for an ``AsyncLLM``."""
-    return (await engine.collective_rpc("dcut_stats"))[0]
+    return _snapshot((await engine.collective_rpc("dcut_stats"))[0])
 
 
 async def aread_cost_table(engine: Any) -> dict[str, Any] | None:

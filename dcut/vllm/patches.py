@@ -333,7 +333,7 @@ def _worker_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[.
         result = original(self, *args, **kwargs)
         runner = self.model_runner
         state = runner_dcut(runner)
-        if state is not None and state.cost_source == "none":
+        if state is not None and state.cost_source == "pending":
             state.load_or_profile(functools.partial(_profile_step, runner, state),
                                   functools.partial(_profile_draft, runner),
                                   _profile_batch_sizes(runner, state))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, current_hardware, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
+from dcut.snapshot import CostSource, DCutSnapshot, Overhead, WindowSummary
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
 from dcut.width import (
@@ -135,7 +136,8 @@ class RunnerDCut:
         self.realized = RealizedRates()
         self._cycle: _Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None
-        self.cost_source = "none"
+        self.cost_source: CostSource = "pending"
+        self.cost_path: str | None = None
         self.calibrators = {w: Calibrator(w) for w in self.widths if w} if settings.calibrate else {}
         self.window = StepWindow(settings.stats_window)
         self.steps = 0
@@ -170,10 +172,10 @@ class RunnerDCut:
         start = time.perf_counter()
         if self.settings.cost_table:
             self.cost_table = CostTable.load_for(self.settings.cost_table, self.fingerprint)
-            self.cost_source = f"given ({self.settings.cost_table})"
+            self.cost_source, self.cost_path = "given", str(self.settings.cost_table)
         elif self.cache_path().exists():
             self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
-            self.cost_source = f"cache ({self.cache_path()})"
+            self.cost_source, self.cost_path = "cache", str(self.cache_path())
         elif self.settings.profile:
             # Every default width as well as the chosen ones: the table is cached by fingerprint and
             # shared with engines whose widths differ.
@@ -186,8 +188,9 @@ class RunnerDCut:
             self.cost_table.save(self.cache_path())
             self.cost_source = "profiled"
         else:
-            self.cost_source = "none (fallback ratio)"
-        logger.info("D-Cut: cost table %s in %.1f s", self.cost_source, time.perf_counter() - start)
+            self.cost_source = "fallback"
+        logger.info("D-Cut: cost table %s%s in %.1f s", self.cost_source, f" ({self.cost_path})" if self.cost_path
+                    else "", time.perf_counter() - start)
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
@@ -263,7 +266,7 @@ class RunnerDCut:
             self._pending = None
             return
         start = time.perf_counter()
-        if self.probe or self.settings.mode == "off":
+        if self.probe or self.settings.mode == "full":
             self._pending = _Pending(None, None, log_conf, 0.0)
             return
         calibrator = self.calibrators.get(log_conf.shape[-1])
@@ -385,28 +388,21 @@ class RunnerDCut:
         self.window = StepWindow(self.settings.stats_window)
         self.steps = 0
 
-    def snapshot(self) -> dict[str, Any]:
-        """JSON-able stats for the Python API, the Serve replica and the CLI."""
-        out: dict[str, Any] = {
-            "settings": self.settings.model_dump(),
-            "fingerprint": self.fingerprint.model_dump(),
-            "cost_source": self.cost_source,
-            "steps": self.steps,
-            "window": self.window.summary(),
-            "selection_us_median": statistics.median(sel) if (sel := [
-                r.selection_us for r in self.window.records if r.selection_us]) else None,
-            "estimates": [asdict(e) for e in self.estimates()],
-            "overhead_ms": {"per_step": self.overhead.per_step_ms, "per_token": self.overhead.per_token_ms},
-            "cost_table": None if self.cost_table is None else self.cost_table.to_json(),
-        }
+    def snapshot(self) -> DCutSnapshot:
+        """The runner's one published record (`dcut.snapshot.DCutSnapshot`)."""
+        sel = [r.selection_us for r in self.window.records if r.selection_us]
+        joint = {}
         if self.joint:
-            out["width_realized"] = self.realized.summary()
-            out["width_observations"] = {str(w): n for w, n in self.width_stats.observations().items()}
-            out["width_survival"] = {str(w): row for w, row in zip(self.widths, self.width_stats.survival().tolist(),
-                                                                    strict=True)}
-        if self.calibrators:
-            out["calibration"] = {str(w): c.reliability() for w, c in self.calibrators.items()}
-        return out
+            joint = {"width_realized": self.realized.summary(),
+                     "width_observations": self.width_stats.observations(),
+                     "width_survival": dict(zip(self.widths, self.width_stats.survival().tolist(), strict=True))}
+        return DCutSnapshot(
+            settings=self.settings, fingerprint=self.fingerprint, cost_source=self.cost_source,
+            cost_path=self.cost_path, steps=self.steps, window=WindowSummary(**self.window.summary()),
+            selection_us_median=statistics.median(sel) if sel else None, estimates=self.estimates(),
+            overhead=Overhead(per_step_ms=self.overhead.per_step_ms, per_token_ms=self.overhead.per_token_ms),
+            cost_table=None if self.cost_table is None else self.cost_table.to_json(),
+            calibration={w: c.reliability() for w, c in self.calibrators.items()} or None, **joint)
 
 
 def _fmt(value: float | None) -> str:

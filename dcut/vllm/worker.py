@@ -11,8 +11,9 @@ class DCutWorkerExtension:
     """Mixed into vLLM's worker class; called through ``collective_rpc("dcut_...")``."""
 
     def dcut_stats(self) -> dict[str, Any] | None:
+        """The runner's `DCutSnapshot` as JSON (what vLLM's RPC carries); `dcut.vllm.api` validates it back."""
         state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
-        return None if state is None else state.snapshot()
+        return None if state is None else state.snapshot().model_dump(mode="json")
 
     def dcut_cost_table(self) -> dict[str, Any] | None:
         state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]

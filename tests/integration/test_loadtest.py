@@ -94,7 +94,7 @@ def test_locust_streams_and_records_ttft_itl(loadtest_app, tmp_path):
     assert 0 < float(ttft["Average Response Time"]) <= float(request["Max Response Time"])
     assert 4 <= float(request["Average Content Size"]) <= 12  # output tokens, ignore_eos -> max_tokens
 
-    result = run_result(prefix, "on", 3)
+    result = run_result(prefix, "dcut", 3)
     assert result.failures == 0 and result.user_errors == 0 and not result.errors
     assert result.output_tokens > 0 and result.output_tokens_per_s > 0 and result.ttft_p50_ms > 0
     write_report(tmp_path / "report", [result], {"setup": {}})
@@ -111,7 +111,7 @@ def test_failures_carry_the_openai_error_message(loadtest_app, tmp_path):
          "--only-summary", "--api-key", "wrong", "--think-time", "0.2:0.2"],
         capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert proc.returncode == 1  # Locust: failures -> exit code 1
-    result = run_result(prefix, "on", 1)
+    result = run_result(prefix, "dcut", 1)
     assert result.requests > 0 and result.failures == result.requests
     assert result.ttft_p50_ms is None
     assert any("HTTP 401" in e["error"] and "API key" in e["error"] for e in result.errors), result.errors

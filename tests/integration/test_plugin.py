@@ -37,7 +37,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _settings(tiny: dict[str, Path], method: str, mode: str, cache_dir: Path, **dcut: object) -> EngineSettings:
     """Eager engines: these tests check correctness, and eager engines start in seconds."""
     draft = {"none": None, "dflash": tiny["dflash"], "draft_model": tiny["draft"]}[method]
-    settings = DCutSettings(mode="off" if mode == "full" else mode, cache_dir=str(cache_dir),
+    settings = DCutSettings(mode=mode, cache_dir=str(cache_dir),
                             profile_batch_sizes=[1, 4, 16], profile_warmups=0, profile_repeats=1, **dcut)
     return EngineSettings(model=str(tiny["target"]), draft=None if draft is None else str(draft), method=method,
                           num_speculative_tokens=7 if method == "dflash" else 3, max_num_seqs=16,
@@ -79,12 +79,12 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
     for mode, res in results.items():
         assert res[1] == plain[1], f"{method}/{mode}: bs=1 output differs from the target alone"
         assert res[16] == plain[16], f"{method}/{mode}: bs=16 output differs from the target alone"
-    full, fixed = results["full"]["stats"]["window"], results["fixed"]["stats"]["window"]
-    assert full["mean_keep_ratio"] == pytest.approx(1.0)
-    assert fixed["mean_keep_ratio"] < 0.9, "fixed ratio 0.5 must cut drafts"
+    full, fixed = results["full"]["stats"].window, results["fixed"]["stats"].window
+    assert full.mean_keep_ratio == pytest.approx(1.0)
+    assert fixed.mean_keep_ratio < 0.9, "fixed ratio 0.5 must cut drafts"
     assert results["auto"]["table"] is not None and results["auto"]["table"]["fingerprint"]["k"] in (3, 7)
     joint = results["joint"]["stats"]
-    assert sum(joint["window"]["width_histogram"].values()) > 0, "joint records the width it drafted each step"
+    assert sum(joint.window.width_histogram.values()) > 0, "joint records the width it drafted each step"
     assert set(results["joint"]["table"]["draft"]["1"]) >= {"0", "1"}, "draft cost profiled per width"
     if method == "draft_model":
         # The drafter is a copy of the target: every *scheduled* draft is accepted. If pruned drafts
@@ -129,7 +129,7 @@ def test_catch_up_keeps_the_drafter_in_sync(cache_dir, forced_widths):
     catch_up, vllm_k0 = runs["catch_up"], runs["vllm"]
     assert catch_up["accepted"] > 0
     assert (catch_up["drafted"], catch_up["accepted"]) == (vllm_k0["drafted"], vllm_k0["accepted"])
-    assert catch_up["stats"]["window"]["position_acceptance"] == vllm_k0["stats"]["window"]["position_acceptance"]
+    assert catch_up["stats"].window.position_acceptance == vllm_k0["stats"].window.position_acceptance
 
 
 def test_cost_table_cached_and_reused(tiny, cache_dir):
@@ -137,12 +137,12 @@ def test_cost_table_cached_and_reused(tiny, cache_dir):
 
     settings = _settings(tiny, "dflash", "auto", cache_dir)
     first = _run(settings)
-    assert first["stats"]["cost_source"].startswith(("cache", "profiled"))
+    assert first["stats"].cost_source in ("cache", "profiled")
     # A controller hands tables out by the fingerprint computed from settings, before any engine runs.
     assert first["table"]["fingerprint"] == fingerprint(settings).model_dump()
-    assert first["stats"]["estimates"], "throughput estimates come from the cost table and live acceptance"
+    assert first["stats"].estimates, "throughput estimates come from the cost table and live acceptance"
     again = _run(_settings(tiny, "dflash", "continuous", cache_dir))
-    assert again["stats"]["cost_source"].startswith("cache"), "a restart with the same setup must reuse the table"
+    assert again["stats"].cost_source == "cache", "a restart with the same setup must reuse the table"
 
 
 def test_bad_setting_stops_engine_with_its_name(tiny, cache_dir):

@@ -11,9 +11,13 @@ import asyncio
 import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
+
+from dcut.settings import engine_env
+from tests.fault_engine import MARKER as FAULT
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +26,7 @@ BASE = f"http://127.0.0.1:{PORT}"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
-FAULT = "__inject_fault__"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(models: dict, cache_dir, **replica) -> dict:
@@ -33,8 +37,9 @@ def _args(models: dict, cache_dir, **replica) -> dict:
         "engine": {"model": str(models["target"]), "draft": str(models["dflash"]), "method": "dflash",
                    "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
-        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "fault_injection_marker": FAULT,
-                           "profile_wait_s": 300, **replica},
+        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "profile_wait_s": 300,
+                           "engine_cls": "tests.fault_engine:FaultyEngine",
+                           "env": {**engine_env(kv_cache_gib=1), "PYTHONPATH": str(REPO)}, **replica},
         "ingress": {"api_key": KEY, "retry_after_s": 2, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
     }
@@ -215,10 +220,10 @@ def test_client_disconnect_aborts_engine_request(client):
 def test_second_replica_uses_controller_table(client):
     """One replica profiles; the other waits for its table and starts from it without profiling."""
     status = _status(client)
-    sources = sorted(r["cost_source"] for r in status["replicas"])
+    sources = sorted((r["cost_source"], r["cost_path"] or "") for r in status["replicas"])
     (fingerprint,) = {r["fingerprint"] for r in status["replicas"]}
-    assert sources[1] == "profiled", sources
-    assert sources[0].startswith("given (") and fingerprint in sources[0], sources
+    assert [s for s, _ in sources] == ["given", "profiled"], sources
+    assert fingerprint in sources[0][1], "the given table is the controller's, saved under its fingerprint"
     assert list(status["cost_tables"]) == [fingerprint]
     assert len(status["cost_tables"][fingerprint]["from_replicas"]) == 2
     table = status["cost_tables"][fingerprint]["table"]

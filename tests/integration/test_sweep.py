@@ -14,7 +14,7 @@ from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-MODES = ["none", "full", "dynamic", "fixed-per-request", "auto", "joint"]
+MODES = ["none", "full", "dynamic", "per_request", "auto", "joint"]
 
 
 def test_sweep_two_batch_sizes(tmp_path):
@@ -38,8 +38,8 @@ def test_sweep_two_batch_sizes(tmp_path):
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
         assert r["speedup_vs_none"] == pytest.approx(r["tokens_per_s"] / cells[("none", bs)]["tokens_per_s"])
         assert r["token_ids_sha256"] == cells[("none", bs)]["token_ids_sha256"], f"{mode} bs={bs} not lossless"
-    for bs in (1, 4):  # fixed-per-request keeps auto's budget, spread evenly
-        depth = cells[("fixed-per-request", bs)]["per_request_depth"]
+    for bs in (1, 4):  # per_request keeps auto's budget, spread evenly
+        depth = cells[("per_request", bs)]["per_request_depth"]
         assert depth == round((cells[("auto", bs)]["mean_keep_ratio"] or 1.0) * 3)
     assert any("dynamic" in note for note in record["notes"])
     fixed_k = {(c["k"], c["bs"]) for c in record["dynamic_fixed_k"]}

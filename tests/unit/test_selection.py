@@ -93,7 +93,7 @@ def test_keep_depths_ties_are_prefixes() -> None:
     assert keep_depths_for_budget(scores, 5).tolist() == [4, 1, 0]  # row-major, stable
 
 
-@pytest.mark.parametrize("mode", ["off", "fixed", "auto", "continuous"])
+@pytest.mark.parametrize("mode", ["full", "fixed", "auto", "continuous"])
 @given(lc=log_confs, count_bonus=st.booleans())
 @settings(max_examples=60, deadline=None)
 def test_select_keeps_prefixes_of_positive_drafts(mode: str, lc: torch.Tensor, count_bonus: bool) -> None:
@@ -104,7 +104,7 @@ def test_select_keeps_prefixes_of_positive_drafts(mode: str, lc: torch.Tensor, c
     assert int(depths.sum()) == int(decision.kept)
     out = decision.to_dict()
     assert out["mode"] == mode and out["fallback"] is False
-    if mode != "off" and bs:
+    if mode != "full" and bs:
         scores = prefix_scores(lc)
         kept = torch.arange(k) < depths.unsqueeze(1)
         assert bool((scores[kept] > 0).all())
@@ -206,27 +206,27 @@ def test_no_cost_falls_back_to_fixed_ratio() -> None:
 
 def test_edge_shapes() -> None:
     table = linear_table()
-    for mode in ("off", "fixed", "auto", "continuous"):
+    for mode in ("full", "fixed", "auto", "continuous"):
         depths, decision = select(torch.zeros(0, 15), DCutSettings(mode=mode), table)
         assert depths.shape == (0,) and decision.to_dict()["kept"] == 0
         depths, _ = select(torch.full((1, 1), -0.1), DCutSettings(mode=mode), table)
         assert depths.tolist() in ([0], [1])
         depths, _ = select(torch.full((3, 4), math.nan), DCutSettings(mode=mode), table)
-        assert mode == "off" or depths.tolist() == [0, 0, 0]
+        assert mode == "full" or depths.tolist() == [0, 0, 0]
 
 
 def test_max_depth_never_keeps_missing_drafts() -> None:
     lc = torch.zeros(3, 5)  # all confident
     max_depth = torch.tensor([5, 2, 0])
     table = CostTable(FP, {4: [(0, 1.0, 1), (100, 1.0, 1)]})  # flat: keep everything available
-    for mode in ("off", "fixed", "auto", "continuous"):
+    for mode in ("full", "fixed", "auto", "continuous"):
         depths, decision = select(lc, DCutSettings(mode=mode, fixed_ratio=1.0), table, max_depth)
         assert depths.tolist() == [5, 2, 0]
         assert decision.to_dict()["proposed"] == 7
 
 
 def test_global_top_k_beats_fixed_per_request_budget() -> None:
-    """DESIGN section 1: same budget, fixed-per-request < global top-k < full, in expectation."""
+    """DESIGN section 1: same budget, per_request < global top-k < full, in expectation."""
     gen = torch.Generator().manual_seed(0)
     bs, k = 32, 15
     rates = torch.distributions.Beta(2.0, 1.0).sample((bs,)).clamp(0.05, 0.99)  # spread acceptance

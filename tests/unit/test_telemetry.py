@@ -58,20 +58,20 @@ def flat_table() -> CostTable:
 
 
 def test_expected_tokens_and_step_time() -> None:
-    off = DCutSettings(mode="off")
+    off = DCutSettings(mode="full")
     tokens, kept = expected_tokens_per_step(4, [0.5, 0.25], off, flat_table())
     assert (tokens, kept) == (pytest.approx(4 + 4 * 0.75), 8)
     assert step_time(4, kept, flat_table(), draft_ms=2.0) == pytest.approx(40.0 + 2.0)
     assert step_time(8, 0, flat_table()) is None
     # the bonus flag changes the decision's numerator, never E(b)'s count of bonus tokens
-    bonus = DCutSettings(mode="off", count_bonus=True)
+    bonus = DCutSettings(mode="full", count_bonus=True)
     assert expected_tokens_per_step(4, [0.5, 0.25], bonus, flat_table())[0] == pytest.approx(7.0)
     fixed = DCutSettings(mode="fixed", fixed_ratio=0.5)  # ceil(0.5 * 4 * 3) - 4 = 2 drafts, both 0.5
     assert expected_tokens_per_step(4, [0.5, 0.25], fixed, None) == (pytest.approx(5.0), 2)
 
 
 def test_throughput_capacity_demand() -> None:
-    off = DCutSettings(mode="off")
+    off = DCutSettings(mode="full")
     est = throughput_by_batch_size([1, 4, 8], [0.5, 0.25], off, flat_table())
     assert [e.batch_size for e in est] == [1, 4]  # 8 is beyond the table
     one, four = est

@@ -1,0 +1,65 @@
+"""The one record a D-Cut runner publishes: what the Python API, the CLI benchmarks, the Serve replica's
+report, its metrics and the controller read. It crosses vLLM's RPC as JSON (``model_dump(mode="json")``)
+and is validated back on the other side."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dcut.cost_table import Fingerprint
+from dcut.settings import DCutSettings
+from dcut.telemetry import ThroughputEstimate
+
+# Where the cost table came from: not loaded yet, handed in (a path), the fingerprint's cache (a path),
+# profiled at start, or none at all (the fallback keep ratio decides).
+CostSource = Literal["pending", "given", "cache", "profiled", "fallback"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WindowSummary(_Record):
+    """`dcut.telemetry.StepWindow.summary`: the recent steps."""
+
+    steps: int = 0
+    mean_keep_ratio: float | None = None
+    mean_accepted_length: float | None = None
+    keep_ratio_histogram: list[int] = Field(default_factory=list)
+    position_acceptance: list[float | None] = Field(default_factory=list)
+    acceptance_curve: list[float] = Field(default_factory=list)
+    batch_size_histogram: dict[int, int] = Field(default_factory=dict)
+    mean_step_ms: dict[int, float] = Field(default_factory=dict)
+    fallback_steps: int = 0
+    width_histogram: dict[int, int] = Field(default_factory=dict)
+    probe_steps: int = 0
+    mean_verify_ms: float | None = None
+    mean_draft_ms: float | None = None
+
+
+class Overhead(_Record):
+    """`dcut.cost_table.EngineOverhead`: the engine's time outside the model, ``a + b x tokens``."""
+
+    per_step_ms: float
+    per_token_ms: float
+
+
+class DCutSnapshot(_Record):
+    settings: DCutSettings
+    fingerprint: Fingerprint
+    cost_source: CostSource
+    cost_path: str | None = Field(None, description="The table's file when given or from the cache.")
+    steps: int = Field(description="Steps recorded since start (or the last reset).")
+    window: WindowSummary
+    selection_us_median: float | None = None
+    estimates: list[ThroughputEstimate] = Field(default_factory=list)
+    overhead: Overhead
+    cost_table: dict[str, Any] | None = Field(None, description="`CostTable.to_json` of the live table.")
+    width_realized: dict[str, dict[str, float]] | None = Field(
+        None, description="Mode joint: measured tokens/s per 'bucket/width' (`RealizedRates.summary`).")
+    width_observations: dict[int, int] | None = None
+    width_survival: dict[int, list[float]] | None = None
+    calibration: dict[int, dict[str, Any]] | None = Field(
+        None, description="Per drafted width: `Calibrator.reliability`.")

@@ -1,0 +1,107 @@
+"""Typed settings of each Ray Serve deployment. ``app.config`` composes them with the engine's
+:class:`dcut.settings.EngineSettings` into the application's configuration; each deployment receives
+only its own section."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dcut.settings import engine_env
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AutoscalingSettings(_Strict):
+    """Replicas from D-Cut throughput estimates: demand / (capacity x target_utilization)."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=1)
+    target_utilization: float = Field(0.7, gt=0.0, le=1.0,
+                                      description="Fraction of a replica's capacity to plan for.")
+    hysteresis: float = Field(0.2, ge=0.0, lt=1.0,
+                              description="Scale down only when utilisation falls below "
+                              "target_utilization x (1 - hysteresis).")
+    request_tokens_per_s: float = Field(20.0, gt=0.0,
+                                        description="Latency objective: decode rate one request is owed; "
+                                        "demand = ongoing requests x this rate.")
+    upscale_delay_s: float = Field(10.0, ge=0.0)
+    downscale_delay_s: float = Field(120.0, ge=0.0)
+    look_back_period_s: float = Field(10.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError("max_replicas must be >= min_replicas")
+        if self.initial_replicas is not None and not (
+                self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError("initial_replicas must lie in [min_replicas, max_replicas]")
+        return self
+
+    def serve_config(self) -> dict:
+        """Ray Serve 2.60 ``autoscaling_config`` with our policy and its knobs."""
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.initial_replicas,
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": {
+                "policy_function": "deployments.autoscaling:DCutPolicy",
+                "policy_kwargs": {
+                    "target_utilization": self.target_utilization,
+                    "hysteresis": self.hysteresis,
+                },
+            },
+        }
+
+
+class EngineReplicaSettings(_Strict):
+    """How one engine replica is placed, reports, and finds its cost table."""
+
+    num_cpus: float = Field(0.5, gt=0.0, description="Ray CPUs per replica (fractional on small boxes).")
+    num_gpus: float = Field(0.0, ge=0.0)
+    max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica runs at once "
+                                      "(match the engine's max_num_seqs).")
+    max_queued_requests: int = Field(
+        512, ge=-1, description="Requests an ingress replica queues for the engine replicas before it answers "
+        "503 + Retry-After (-1: no cap). At least ingress.max_ongoing_requests means never 503 from a full queue "
+        "with one ingress replica: queueing instead of failing.")
+    telemetry_interval_s: float = Field(2.0, gt=0.0,
+                                        description="How often a replica reports to the controller.")
+    profile_wait_s: float = Field(120.0, ge=0.0,
+                                  description="How long to wait for another replica's profile of the same "
+                                  "fingerprint before profiling here.")
+    controller_timeout_s: float = Field(5.0, gt=0.0)
+    default_capacity_tokens_per_s: float = Field(100.0, gt=0.0,
+                                                 description="Capacity assumed until D-Cut has a throughput "
+                                                 "estimate (a cost table and some live steps).")
+    env: dict[str, str] = Field(default_factory=lambda: engine_env(kv_cache_gib=1),
+                                description="Environment of the replica process (vLLM settings).")
+    engine_cls: str = Field("deployments.vllm_engine:VLLMEngine",
+                            description="module:class of the engine wrapper (tests swap in a subclass that "
+                            "injects faults; production never sets it).")
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+
+
+class ControllerSettings(_Strict):
+    """The controller's placement and how long it trusts a replica's report or profiling lease."""
+
+    num_cpus: float = Field(0.05, ge=0.0)
+    stale_after_s: float = Field(30.0, gt=0.0, description="Forget a replica silent for this long.")
+    profile_lease_s: float = Field(180.0, gt=0.0,
+                                   description="A profiling replica's claim expires after this.")
+
+
+class IngressSettings(_Strict):
+    """The HTTP front: placement, concurrency, back-pressure and the API key."""
+
+    num_cpus: float = Field(0.1, ge=0.0)
+    max_ongoing_requests: int = Field(512, ge=1, description="HTTP requests one ingress replica holds at once; "
+                                      "beyond it Serve's proxy queues them.")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After header on 503 when every replica is full.")
+    api_key: str | None = Field(None, description="When set, every route but /health needs "
+                                "'Authorization: Bearer <api_key>'.")
