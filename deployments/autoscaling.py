@@ -8,14 +8,20 @@ Requests still queued at the handles add ``queued x request rate`` to the demand
 
 scaling up as soon as utilisation passes the target, down only once it falls below
 ``target x (1 - hysteresis)``. Serve's wrapper applies min/max replicas and the up/down delays.
+
+Each evaluation is a `ScalingDecision` with its rule; the policy publishes the latest one and its recent
+changes of mind (`publish`) for the D-Cut controller's status page (`read_log`).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
-from deployments.records import CAPACITY_KEY, DEMAND_KEY
+from ray.experimental import internal_kv
+
+from deployments.records import CAPACITY_KEY, DEMAND_KEY, ScalingDecision, ScalingLog, ScalingRule
 
 
 class DCutPolicy:
@@ -28,15 +34,14 @@ class DCutPolicy:
         self.target_utilization = target_utilization
         self.hysteresis = hysteresis
         self.queued_request_tokens_per_s = queued_request_tokens_per_s
+        self._log = DecisionLog()
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         current = max(ctx.target_num_replicas, 0)
         metrics = ctx.aggregated_metrics or {}
         capacities = [c for c in (metrics.get(CAPACITY_KEY) or {}).values() if c and c > 0]
         demands = metrics.get(DEMAND_KEY) or {}
-        if not capacities:  # no estimates yet: hold
-            return current, {"reason": "no estimates"}
-        per_replica = sum(capacities) / len(capacities)
+        per_replica = sum(capacities) / len(capacities) if capacities else 0.0
         reported = float(sum(demands.values()))
         demand = reported
         queued = float(ctx.total_queued_requests or 0.0)
@@ -46,26 +51,84 @@ class DCutPolicy:
                 running = max(float(ctx.total_num_requests or 0.0) - queued, 1.0)
                 rate = reported / running if reported else per_replica * self.target_utilization
             demand += queued * rate
-        desired = decide(current, demand, per_replica, self.target_utilization, self.hysteresis)
-        state = {"demand_tokens_per_s": demand, "capacity_per_replica": per_replica,
-                 "utilization": demand / (per_replica * max(current, 1)), "desired": desired}
-        return desired, state
+        desired, rule = decide(current, demand, per_replica, self.target_utilization, self.hysteresis)
+        decision = ScalingDecision(
+            at=ctx.current_time, replicas=current, desired=desired,
+            bounded=min(max(desired, ctx.capacity_adjusted_min_replicas), ctx.capacity_adjusted_max_replicas),
+            rule=rule, demand_tokens_per_s=demand, capacity_per_replica=per_replica,
+            utilization=demand / (per_replica * max(current, 1)) if per_replica else 0.0,
+            target_utilization=self.target_utilization, hysteresis=self.hysteresis, queued_requests=queued)
+        if self._log.add(decision):
+            publish(ctx.app_name, self._log.record())
+        return desired, decision.model_dump()
 
 
 def decide(current: int, demand: float, capacity_per_replica: float, target_utilization: float,
-           hysteresis: float) -> int:
-    """The replica count for ``demand`` tokens/s, with a dead band below the target utilisation."""
+           hysteresis: float) -> tuple[int, ScalingRule]:
+    """The replica count for ``demand`` tokens/s, with a dead band below the target utilisation, and the
+    rule that chose it (the status page shows it as the decision's reason)."""
     if capacity_per_replica <= 0:
-        return current
+        return current, "no_estimates"
     needed = math.ceil(demand / (capacity_per_replica * target_utilization) - 1e-9)
     if current <= 0:
-        return max(needed, 1) if demand > 0 else 0
+        return (max(needed, 1) if demand > 0 else 0), "cold"
     utilization = demand / (capacity_per_replica * current)
     if utilization > target_utilization:
-        return max(needed, current)
+        return max(needed, current), "up"
     if utilization < target_utilization * (1 - hysteresis):
-        return min(max(needed, 1), current)
-    return current
+        fewer = min(max(needed, 1), current)
+        return fewer, ("down" if fewer < current else "floor")
+    return current, "hold"
+
+
+class DecisionLog:
+    """The policy's latest evaluation and its last ``keep`` changes of mind. The policy runs every 0.1 s in
+    Serve's controller, so it publishes only a change, or a fresh evaluation every ``refresh_s``."""
+
+    def __init__(self, keep: int = 20, refresh_s: float = 2.0):
+        self.changes: deque[ScalingDecision] = deque(maxlen=keep)
+        self.latest: ScalingDecision | None = None
+        self.refresh_s = refresh_s
+        self._published_at = -math.inf
+
+    def add(self, decision: ScalingDecision) -> bool:
+        """Keep ``decision``; True when it should be published."""
+        self.latest = decision
+        last = self.changes[-1] if self.changes else None
+        changed = last is None or (last.replicas, last.desired, last.rule) != (
+            decision.replicas, decision.desired, decision.rule)
+        if changed:
+            self.changes.append(decision)
+        if changed or decision.at - self._published_at >= self.refresh_s:
+            self._published_at = decision.at
+            return True
+        return False
+
+    def record(self) -> ScalingLog:
+        return ScalingLog(latest=self.latest, changes=list(self.changes))
+
+
+# The policy runs inside Serve's controller, the D-Cut controller in its own replica: Ray's internal key-value
+# store (GCS) is the one place both reach without a call between them that could stall Serve's control loop.
+_KV_NAMESPACE = "dcut-serve"
+
+
+def _kv_key(app_name: str) -> str:
+    return f"autoscaling/{app_name}"
+
+
+def publish(app_name: str, log: ScalingLog) -> None:
+    """Store ``log`` for ``read_log(app_name)``; a no-op outside a Ray worker (unit tests)."""
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_put(_kv_key(app_name), log.model_dump_json(), overwrite=True,
+                                     namespace=_KV_NAMESPACE)
+
+
+def read_log(app_name: str) -> ScalingLog:
+    """The policy's last published log for ``app_name`` (empty before its first evaluation)."""
+    raw = internal_kv._internal_kv_get(_kv_key(app_name), namespace=_KV_NAMESPACE) \
+        if internal_kv._internal_kv_initialized() else None
+    return ScalingLog.model_validate_json(raw) if raw else ScalingLog()
 
 
 _default = DCutPolicy()

@@ -11,7 +11,12 @@ import math
 import time
 from dataclasses import asdict
 
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
 from dcut.cost_table import CostTable
+from deployments.autoscaling import read_log
+from deployments.history import History
 from deployments.records import CostTableOffer, ReplicaReport
 from deployments.settings import AutoscalingSettings, ControllerSettings
 
@@ -25,6 +30,11 @@ class DCutController:
         self.tables: dict[str, dict[str, CostTable]] = {}  # fingerprint key -> replica -> its latest table
         self.leases: dict[str, tuple[str, float]] = {}  # fingerprint key -> (profiling replica, expires)
         self.reports: dict[str, ReplicaReport] = {}
+        self.recent = History(settings.history_s)
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except RayServeException:  # a plain object (unit tests): no autoscaling policy publishes to it
+            self.app_name = None
 
     # ---- cost tables --------------------------------------------------------------------------
 
@@ -51,6 +61,7 @@ class DCutController:
     def report(self, report: dict) -> None:
         r = ReplicaReport.model_validate(report)
         self.reports[r.replica_id] = r
+        self.recent.add(r, self._live_reports(), time.time())
         if self.leases.get(r.fingerprint, ("",))[0] == r.replica_id:  # its engine runs: done profiling
             del self.leases[r.fingerprint]
         if r.dcut is None or r.dcut.cost_table is None:
@@ -115,4 +126,10 @@ class DCutController:
             "cost_tables": {k: {"table": self.cost_table(k).to_json(), "from_replicas": sorted(t)}
                             for k, t in self.tables.items()},
             "profiling": {k: v[0] for k, v in self.leases.items()},
+            "autoscaling": read_log(self.app_name).model_dump() if self.app_name else None,
         }
+
+    def history(self) -> dict:
+        """Recent samples per live replica and of the cluster (``GET /dcut/history``, the status page)."""
+        self.recent.prune({r.replica_id for r in self._live_reports()}, time.time())
+        return self.recent.to_json()

@@ -8,6 +8,7 @@ long, 401 missing or wrong API key, 404 unknown model, 503 + Retry-After when ev
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from deployments import status_page
 from deployments.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")
@@ -28,6 +30,20 @@ api = FastAPI(title="dcut-serve")
 def error_response(message: str, status: int, err_type: str, headers: dict | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def presented_key(authorization: str) -> str:
+    """The key an ``Authorization`` header carries: a Bearer token, or the password of Basic credentials (what a
+    browser sends for the status page after its login prompt; any user name)."""
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    if scheme.lower() == "basic":
+        try:
+            return base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
+        except ValueError:  # bad base64 or not UTF-8
+            return ""
+    return ""
 
 
 def _sse_error(chunk: str) -> dict | None:
@@ -50,15 +66,14 @@ class Ingress:
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _unauthorized(self, request: Request) -> JSONResponse | None:
+    def _unauthorized(self, request: Request, challenge: str = "Bearer") -> JSONResponse | None:
+        """None when the request carries the API key (or none is set); ``challenge``: Basic makes a browser ask."""
         if self._key is None:
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+        if hmac.compare_digest(presented_key(request.headers.get("authorization", "")).encode(), self._key):
             return None
         return error_response("Missing or invalid API key (Authorization: Bearer <key>).", 401,
-                              "AuthenticationError", headers={"WWW-Authenticate": "Bearer"})
+                              "AuthenticationError", headers={"WWW-Authenticate": challenge})
 
     def _unavailable(self, message: str) -> JSONResponse:
         return error_response(message, 503, "ServiceUnavailableError",
@@ -126,14 +141,33 @@ class Ingress:
             return denied
         return JSONResponse(await self.engine.models.remote())
 
-    @api.get("/dcut/status")
-    async def dcut_status(self, request: Request):
+    async def _from_controller(self, request: Request, method: str):
         if (denied := self._unauthorized(request)) is not None:
             return denied
         try:
-            return JSONResponse(await self.controller.status.remote())
+            return JSONResponse(await getattr(self.controller, method).remote())
         except Exception as e:  # noqa: BLE001
             return error_response(f"D-Cut controller unavailable: {e}", 503, "ServiceUnavailableError")
+
+    @api.get("/dcut/status")
+    async def dcut_status(self, request: Request):
+        return await self._from_controller(request, "status")
+
+    @api.get("/dcut/history")
+    async def dcut_history(self, request: Request):
+        return await self._from_controller(request, "history")
+
+    def _page(self, request: Request, name: str):
+        denied = self._unauthorized(request, challenge='Basic realm="dcut-serve", charset="UTF-8"')
+        return denied if denied is not None else status_page.page_file(name)
+
+    @api.get("/dcut/")
+    async def dcut_page(self, request: Request):
+        return self._page(request, "index.html")
+
+    @api.get("/dcut/app.js")
+    async def dcut_page_script(self, request: Request):
+        return self._page(request, "app.js")
 
     @api.get("/health")
     async def health(self):

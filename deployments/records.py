@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from dcut.snapshot import DCutSnapshot
 
@@ -44,3 +44,48 @@ class CostTableOffer(BaseModel):
 
     action: Literal["use", "profile", "wait"]
     table: dict | None = None
+
+
+ScalingRule = Literal["no_estimates", "cold", "up", "down", "floor", "hold"]
+
+
+class ScalingDecision(BaseModel):
+    """One evaluation of `deployments.autoscaling.DCutPolicy`: the count it asked for and why. Serve then
+    applies min/max replicas (``bounded``) and the up/down delays."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: float = Field(description="Unix time of the evaluation.")
+    replicas: int = Field(description="Serve's target replica count when the policy ran.")
+    desired: int
+    bounded: int = Field(description="``desired`` within min/max replicas.")
+    rule: ScalingRule
+    demand_tokens_per_s: float = 0.0
+    capacity_per_replica: float = 0.0
+    utilization: float = 0.0
+    target_utilization: float
+    hysteresis: float
+    queued_requests: float = 0.0
+
+    @computed_field
+    @property
+    def reason(self) -> str:
+        """The rule in words, with the figures it compared."""
+        low = self.target_utilization * (1 - self.hysteresis)
+        u, t, n = f"{self.utilization:.0%}", f"{self.target_utilization:.0%}", self.desired
+        text = {
+            "no_estimates": f"no capacity estimate yet: hold {n}",
+            "cold": f"no replica running, {self.demand_tokens_per_s:.0f} tok/s asked: start {n}",
+            "up": f"utilisation {u} above the {t} target: up to {n}",
+            "down": f"utilisation {u} below {low:.0%}: down to {n}",
+            "floor": f"utilisation {u} below {low:.0%}, but {n} is the fewest that serve the demand",
+            "hold": f"utilisation {u} within {low:.0%}..{t}: hold {n}",
+        }[self.rule]
+        return text if self.bounded == self.desired else f"{text} (bounds keep {self.bounded})"
+
+
+class ScalingLog(BaseModel):
+    """What the policy publishes for the controller: its latest evaluation and its recent changes of mind."""
+
+    latest: ScalingDecision | None = None
+    changes: list[ScalingDecision] = Field(default_factory=list)

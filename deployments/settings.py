@@ -94,6 +94,8 @@ class ControllerSettings(_Strict):
     stale_after_s: float = Field(30.0, gt=0.0, description="Forget a replica silent for this long.")
     profile_lease_s: float = Field(180.0, gt=0.0,
                                    description="A profiling replica's claim expires after this.")
+    history_s: float = Field(600.0, gt=0.0, description="How far back the status page's series go "
+                             "(GET /dcut/history).")
 
 
 class IngressSettings(_Strict):

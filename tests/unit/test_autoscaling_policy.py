@@ -37,15 +37,15 @@ def ctx(current: int, capacity: list[float], demand: list[float], queued: float 
     (3, 130.0, 2),    # 43% < 56%: down to 2 (which runs at 65%, under target)
 ])
 def test_decide(current, demand, expected):
-    assert decide(current, demand, capacity_per_replica=100.0, target_utilization=0.7, hysteresis=0.2) \
+    assert decide(current, demand, capacity_per_replica=100.0, target_utilization=0.7, hysteresis=0.2)[0] \
         == expected
 
 
 def test_decide_is_stable_at_its_own_answer():
     """Hysteresis: the count chosen for a demand is not undone by the same demand."""
     for demand in range(0, 1000, 7):
-        n = decide(1, float(demand), 100.0, 0.7, 0.2)
-        assert decide(n, float(demand), 100.0, 0.7, 0.2) == n
+        n, _ = decide(1, float(demand), 100.0, 0.7, 0.2)
+        assert decide(n, float(demand), 100.0, 0.7, 0.2)[0] == n
 
 
 def test_policy_uses_dcut_capacity_not_queue_length():
