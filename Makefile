@@ -3,6 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 EXTRA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP  := $(VENV)/.installed-$(EXTRA)
+CHROMIUM := /usr/bin/chromium
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 export VLLM_CPU_KVCACHE_SPACE ?= 2
 export HF_HUB_OFFLINE := 1
@@ -11,7 +13,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: setup test test-unit serve lint sweep loadtest
 
-setup: $(STAMP)
+setup: $(STAMP) $(CHROMIUM)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,10 +23,16 @@ $(STAMP): pyproject.toml
 	if [ "$(EXTRA)" = cpu ]; then $(PY) -m pip uninstall -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
+# The status page's browser test drives Debian's Chromium through Playwright (tests/browser.py), never a
+# downloaded browser; apt installs it once, refreshing its package lists only when the install fails without.
+$(CHROMIUM):
+	$(SUDO) apt-get install -y --no-install-recommends chromium || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: lint
+test: lint $(CHROMIUM)
 	$(PY) -m pytest -q --durations=15
 
 test-unit: lint   # pure logic on synthetic tensors and stub-free vLLM imports: no engine, under a minute

@@ -312,3 +312,40 @@ def test_scales_up_under_load_and_back_down(apps):
         assert time.monotonic() - t0 < 90, "no scale-down within 90 s"
         time.sleep(1)
     print(f"scaled up in {up_s:.1f} s, down in {time.monotonic() - t0:.1f} s")
+
+
+# ---- status page -----------------------------------------------------------------------------
+
+def test_status_page_in_chromium(client):
+    """GET /dcut/ in headless Chromium, logged in with the key as a browser user is: no console error, every
+    chart drawn from the running app's data, both replicas named, the autoscaler's latest decision shown."""
+    from tests.browser import CHARTS, chromium, open_page, wait_for_charts
+
+    challenge = httpx.get(f"{BASE}/dcut/").headers["www-authenticate"]
+    assert challenge.startswith("Basic"), "a browser must be asked for the key"
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
+    for _ in range(4):  # both replicas step with D-Cut on
+        assert client.post("/v1/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 20
+    while min(map(len, (h := client.get("/dcut/history").json())["replicas"].values())) < 2:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.5)
+    status = _status(client)
+    replicas = {r["replica_id"] for r in status["replicas"]}
+    assert set(h["replicas"]) == replicas and h["cluster"][-1]["replicas"] == 2
+    errors: list[str] = []
+    with chromium() as browser:
+        page = open_page(browser, f"{BASE}/dcut/", KEY, errors)
+        wait_for_charts(page, timeout_s=30)
+        drawn = dict(page.eval_on_selector_all(CHARTS, "fs => fs.map(f => [f.id || f.dataset.title, "
+                                                        "f.querySelectorAll('path.series').length])"))
+        tables = page.eval_on_selector_all("figure.cost-table", "fs => fs.map(f => f.dataset.fingerprint)")
+        shown = set(page.eval_on_selector_all("#replicas .replica-id", "cells => cells.map(c => c.title)"))
+        latest = page.inner_text("#scaling-latest")
+    assert not errors, errors
+    charts = ["batch_size", "queued", "keep_ratio", "drafted_width", "tokens_per_s", "acceptance", "capacity",
+              "replicas"]
+    assert all(drawn.pop(f"chart-{name}") >= 1 for name in charts), drawn
+    assert tables == 2 * list(status["cost_tables"]) and all(n >= 2 for n in drawn.values()), drawn  # bs 1, 4
+    assert shown == replicas
+    assert status["autoscaling"]["latest"] and latest.startswith("autoscaler now: utilisation"), latest
