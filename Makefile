@@ -42,9 +42,9 @@ serve: $(STAMP)
 	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run app.config.yaml
 
 sweep: $(STAMP)
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --out docs/sweep
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --model models/moe --draft models/moe-dflash \
-		--out docs/sweep-moe
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/sweep
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/sweep-moe
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair deep --out docs/sweep-deep
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest.run --out docs/loadtest

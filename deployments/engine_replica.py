@@ -26,7 +26,7 @@ from ray import serve
 from dcut import telemetry
 from dcut.cost_table import CostTable
 from dcut.settings import EngineSettings
-from dcut.vllm.engine import fingerprint
+from dcut.vllm.fingerprint import fingerprint
 from deployments.metrics import ReplicaMetrics
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport
 from deployments.settings import EngineReplicaSettings
@@ -58,7 +58,8 @@ class EngineReplica:
         except RuntimeError:  # outside a Serve replica
             self.replica_id = f"local-{os.getpid()}"
         self.fingerprint = fingerprint(engine).key()
-        self.engine = engine_class(self.rs.engine_cls)(await self._with_cost_table(engine))
+        self.engine = engine_class(self.rs.engine_cls)(await self._with_cost_table(engine),
+                                                       max_prompt_tokens=self.rs.max_prompt_tokens)
         await self.engine.start()
         self._snapshot = await self.engine.dcut_snapshot()
         self.start_seconds = time.monotonic() - t0
@@ -129,19 +130,23 @@ class EngineReplica:
         return ReplicaReport(
             replica_id=self.replica_id, served_model_name=self.served_model_name,
             fingerprint=self.fingerprint, start_seconds=self.start_seconds,
-            sent_at=time.time(), load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
+            sent_at=time.time(), interval_s=self.rs.telemetry_interval_s,
+            load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
             capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),
             dcut=self._snapshot)
 
     async def _report_forever(self) -> None:
+        """One report every ``telemetry_interval_s``, however long reading and sending take: the controller
+        forgets a replica after a few missed intervals."""
         while True:
+            started = time.monotonic()
             try:
                 report = await self.report()
                 self.metrics.update(report)
                 await self._ask_controller("report", report.model_dump())
             except Exception as e:  # noqa: BLE001 - telemetry must not stop the replica
                 logger.warning("telemetry failed: %s", e)
-            await asyncio.sleep(self.rs.telemetry_interval_s)
+            await asyncio.sleep(max(0.0, self.rs.telemetry_interval_s - (time.monotonic() - started)))
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Feeds the custom autoscaling policy (AutoscalingContext.aggregated_metrics): live demand,

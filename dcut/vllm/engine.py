@@ -5,20 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dcut.cost_table import Fingerprint
 from dcut.settings import EngineSettings
-from dcut.vllm.state import make_fingerprint
 
 WORKER_EXTENSION = "dcut.vllm.worker.DCutWorkerExtension"
-
-
-def fingerprint(settings: EngineSettings) -> Fingerprint:
-    """The fingerprint the engine built from ``settings`` will give its cost table (ask a
-    controller for a matching table before starting the engine)."""
-    kw = engine_kwargs(settings)
-    spec = kw.get("speculative_config") or {}
-    return make_fingerprint(model=kw["model"], drafter=spec.get("model"), k=spec.get("num_speculative_tokens", 0),
-                            tensor_parallel_size=settings.tensor_parallel_size, dtype=settings.dtype)
 
 
 def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from dcut.vllm.catch_up import ContextStash
-from dcut.vllm.state import RunnerDCut, fingerprint_for, settings_from_config
+from dcut.vllm.fingerprint import fingerprint_for
+from dcut.vllm.state import RunnerDCut, settings_from_config
 
 logger = logging.getLogger("vllm.dcut")
 

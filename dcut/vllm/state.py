@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import dcut
 from dcut.calibration import Calibrator
-from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, current_hardware, profile_cost_table
+from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource, DCutSnapshot, Overhead, WindowSummary
@@ -100,26 +99,6 @@ def settings_from_config(vllm_config: Any) -> DCutSettings | None:
         return None
     raw = extra["dcut"]
     return raw if isinstance(raw, DCutSettings) else DCutSettings.model_validate(raw)
-
-
-def fingerprint_for(vllm_config: Any) -> Fingerprint:
-    """What a cost table of this engine depends on (``dcut.vllm.engine.fingerprint`` must agree)."""
-    spec = vllm_config.speculative_config
-    return make_fingerprint(
-        model=str(vllm_config.model_config.model),
-        drafter=str(spec.model) if spec is not None else None,
-        k=spec.num_speculative_tokens if spec is not None else 0,
-        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
-        dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-    )
-
-
-def make_fingerprint(model: str, drafter: str | None, k: int, tensor_parallel_size: int, dtype: str) -> Fingerprint:
-    import vllm
-
-    return Fingerprint(hardware=current_hardware(), model=model, drafter=drafter, k=k,
-                       tensor_parallel_size=tensor_parallel_size, dtype=dtype, vllm_version=vllm.__version__,
-                       dcut_version=dcut.__version__)
 
 
 class RunnerDCut:

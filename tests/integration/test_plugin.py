@@ -133,7 +133,7 @@ def test_catch_up_keeps_the_drafter_in_sync(cache_dir, forced_widths):
 
 
 def test_cost_table_cached_and_reused(tiny, cache_dir):
-    from dcut.vllm.engine import fingerprint
+    from dcut.vllm.fingerprint import fingerprint
 
     settings = _settings(tiny, "dflash", "auto", cache_dir)
     first = _run(settings)
@@ -143,6 +143,15 @@ def test_cost_table_cached_and_reused(tiny, cache_dir):
     assert first["stats"].estimates, "throughput estimates come from the cost table and live acceptance"
     again = _run(_settings(tiny, "dflash", "continuous", cache_dir))
     assert again["stats"].cost_source == "cache", "a restart with the same setup must reuse the table"
+
+
+def test_fingerprint_resolves_dtype_aliases_as_the_engine_does(tiny, cache_dir):
+    """A controller's table is found by the key the engine will use, whatever spelling of dtype."""
+    from dcut.vllm.fingerprint import fingerprint
+
+    base = _settings(tiny, "dflash", "auto", cache_dir)
+    keys = {d: fingerprint(base.model_copy(update={"dtype": d})).key() for d in ("float", "float32", "half", "float16")}
+    assert keys["float"] == keys["float32"] and keys["half"] == keys["float16"] != keys["float32"], keys
 
 
 def test_bad_setting_stops_engine_with_its_name(tiny, cache_dir):
