@@ -33,9 +33,13 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_ongoing_requests=rs.max_ongoing_requests,
         max_queued_requests=rs.max_queued_requests,
         autoscaling_config=rs.autoscaling.serve_config(),
-        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        health_check_period_s=10, health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s,
+        graceful_shutdown_wait_loop_s=rs.graceful_shutdown_wait_loop_s,
     ).bind(cfg.engine, rs, controller)
+    # The ingress drains as long as the replicas it forwards to, so `serve shutdown` cuts no request short.
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
                                ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
-                               max_ongoing_requests=cfg.ingress.max_ongoing_requests)
+                               max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+                               graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s)
     return ingress.bind(cfg.ingress, engine, controller)

@@ -73,9 +73,14 @@ class DCutController:
             return
         self.tables.setdefault(r.fingerprint, {})[r.replica_id] = table
 
+    def _stale_after_s(self, report: ReplicaReport) -> float:
+        """How long ``report``'s replica may stay silent before it leaves the cluster view (a killed replica
+        should not count as capacity, nor show in the status, for long)."""
+        return self.settings.stale_after_s or self.settings.stale_after_reports * report.interval_s
+
     def _live_reports(self) -> list[ReplicaReport]:
         now = time.time()
-        for replica_id in [k for k, r in self.reports.items() if now - r.sent_at > self.settings.stale_after_s]:
+        for replica_id in [k for k, r in self.reports.items() if now - r.sent_at > self._stale_after_s(r)]:
             del self.reports[replica_id]
         return sorted(self.reports.values(), key=lambda r: r.replica_id)
 

@@ -2,12 +2,18 @@
 replicas, turns their answers (vLLM's own response bodies and SSE chunks) into HTTP responses.
 
 Errors are OpenAI-style JSON (vLLM's ErrorResponse): 400 malformed JSON / bad parameters / prompt too
-long, 401 missing or wrong API key, 404 unknown model, 503 + Retry-After when every replica is full,
-500 on an engine fault (the replica keeps serving).
+long / a request limit passed (`deployments.limits`), 401 missing or wrong API key, 404 unknown model,
+413 body too large, 503 + Retry-After when every replica is full, 500 on an engine fault (the replica keeps
+serving).
+
+Replica faults: a request whose engine replica dies before the client got a byte is tried again on another
+(``max_attempts``); a stream whose replica fails after chunks were sent ends with an error event and
+``[DONE]``; a client that goes away cancels the engine request (vLLM aborts it and frees its KV cache).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import json
@@ -18,18 +24,29 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from deployments import status_page
+from deployments import limits, status_page
+from deployments.metrics import IngressMetrics
 from deployments.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")
 api = FastAPI(title="dcut-serve")
 
 
-def error_response(message: str, status: int, err_type: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+def error_body(message: str, status: int, err_type: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(message: str, status: int, err_type: str, headers: dict | None = None,
+                   param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, err_type, param), status_code=status, headers=headers)
+
+
+def replica_died(e: BaseException) -> bool:
+    """Whether ``e`` says the engine replica itself is gone (killed, crashed, unreachable), not the request."""
+    return isinstance(e, RayActorError) or (isinstance(e, RayTaskError) and isinstance(e.cause, RayActorError))
 
 
 def presented_key(authorization: str) -> str:
@@ -63,6 +80,7 @@ class Ingress:
         self.engine = engine
         self.controller = controller
         self._key = self.settings.api_key.encode() if self.settings.api_key else None
+        self.metrics = IngressMetrics()
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -80,13 +98,41 @@ class Ingress:
                               headers={"Retry-After": str(self.settings.retry_after_s)})
 
     async def _body(self, request: Request) -> dict | JSONResponse:
+        """The JSON object of the request, or the error response for an oversized, malformed or over-limit one."""
+        cap = self.settings.limits.max_body_bytes
         try:
-            body = json.loads(await request.body())
+            raw = await limits.read_body(request.stream(), request.headers.get("content-length"), cap)
+        except limits.BodyTooLarge:
+            return error_response(f"The request body is larger than this server accepts ({cap} bytes).", 413,
+                                  "RequestEntityTooLargeError")
+        try:
+            body = json.loads(raw)
         except ValueError as e:
             return error_response(f"Malformed JSON body: {e}", 400, "BadRequestError")
         if not isinstance(body, dict):
             return error_response("The JSON body must be an object.", 400, "BadRequestError")
+        if (over := limits.violation(body, self.settings.limits)) is not None:
+            return error_response(over[1], 400, "BadRequestError", param=over[0])
         return body
+
+    async def _first(self, method: str, body: dict) -> tuple[Any, Any]:
+        """The engine's first item and the stream it came from. Nothing has reached the client before it, so
+        a replica that dies first costs a retry on another, up to ``max_attempts`` tries."""
+        attempt = 1
+        while True:
+            stream = getattr(self.engine.options(stream=True), method).remote(body)
+            try:
+                return await stream.__anext__(), stream
+            except asyncio.CancelledError:
+                stream.cancel()  # the client went away: abort the engine request
+                raise
+            except Exception as e:
+                if attempt >= self.settings.max_attempts or not replica_died(e):
+                    raise
+                attempt += 1
+                self.metrics.retries.inc()
+                logger.warning("engine replica died before answering (%s); try %d of %d on another",
+                               type(e).__name__, attempt, self.settings.max_attempts)
 
     async def _forward(self, method: str, request: Request):
         if (denied := self._unauthorized(request)) is not None:
@@ -94,9 +140,8 @@ class Ingress:
         body = await self._body(request)
         if isinstance(body, JSONResponse):
             return body
-        stream = getattr(self.engine.options(stream=True), method).remote(body)
         try:
-            first = await stream.__anext__()
+            first, stream = await self._first(method, body)
         except StopAsyncIteration:
             return error_response("The engine returned nothing.", 500, "InternalServerError")
         except BackPressureError:
@@ -116,12 +161,19 @@ class Ingress:
             return JSONResponse({"error": err}, status_code=int(err.get("code") or 500))
         return StreamingResponse(self._chunks(first, stream), media_type="text/event-stream")
 
-    @staticmethod
-    async def _chunks(first: str, rest) -> AsyncIterator[str]:
+    async def _chunks(self, first: str, rest) -> AsyncIterator[str]:
+        """The engine's SSE chunks. A replica that fails after chunks were sent cannot be retried: the stream
+        ends with an OpenAI-style error event and ``[DONE]``, so the client sees the failure, not a silent cut."""
         yield first
         try:
             async for chunk in rest:
                 yield chunk
+        except Exception as e:  # noqa: BLE001 - the replica died or failed mid-stream
+            logger.warning("engine replica failed mid-stream: %s", type(e).__name__)
+            self.metrics.broken_streams.inc()
+            err = error_body(f"Engine replica failed mid-stream: {type(e).__name__}", 500, "InternalServerError")
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             rest.cancel()  # the client went away (or we are done): abort the engine request
 

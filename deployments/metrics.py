@@ -79,3 +79,13 @@ class ReplicaMetrics:
             steps = sum(histogram.values())
             self.batch_size.set(sum(b * n for b, n in histogram.items()) / steps, tags=t)
         self._count("steps", self.steps, snap.steps)
+
+
+class IngressMetrics:
+    """What the ingress does about engine replica faults (``ray_dcut_ingress_*``)."""
+
+    def __init__(self):
+        self.retries = Counter("dcut_ingress_retries", description="Requests tried again on another engine "
+                               "replica because theirs died before the client got a byte")
+        self.broken_streams = Counter("dcut_ingress_broken_streams", description="Streams ended with an error "
+                                      "event because their engine replica failed after chunks were sent")

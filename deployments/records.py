@@ -32,6 +32,8 @@ class ReplicaReport(BaseModel):
     fingerprint: str = Field(description="dcut.cost_table.Fingerprint.key() of the engine.")
     start_seconds: float
     sent_at: float
+    interval_s: float = Field(gt=0.0, description="How often this replica reports: the controller forgets it "
+                              "after ControllerSettings.stale_after_reports of these without a report.")
     load: EngineLoad
     capacity_tokens_per_s: float
     capacity_from: Literal["estimates", "default"]

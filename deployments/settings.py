@@ -81,6 +81,13 @@ class EngineReplicaSettings(_Strict):
                                                  "estimate (a cost table and some live steps).")
     env: dict[str, str] = Field(default_factory=lambda: engine_env(kv_cache_gib=1),
                                 description="Environment of the replica process (vLLM settings).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Refuse (400) a prompt of more tokens than "
+                                          "this; None: only the engine's max_model_len bounds it. Checked here, "
+                                          "where the tokenizer is, not at the ingress.")
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0.0, description="On downscale or shutdown a replica "
+                                               "takes no new requests and waits this long for its running ones.")
+    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0, description="How often a draining replica checks "
+                                                 "whether its requests are done.")
     engine_cls: str = Field("deployments.vllm_engine:VLLMEngine",
                             description="module:class of the engine wrapper (tests swap in a subclass that "
                             "injects faults; production never sets it).")
@@ -91,19 +98,36 @@ class ControllerSettings(_Strict):
     """The controller's placement and how long it trusts a replica's report or profiling lease."""
 
     num_cpus: float = Field(0.05, ge=0.0)
-    stale_after_s: float = Field(30.0, gt=0.0, description="Forget a replica silent for this long.")
+    stale_after_reports: float = Field(3.0, gt=0.0, description="Forget a replica that missed this many of its "
+                                       "own report intervals (its reports say how often it reports).")
+    stale_after_s: float | None = Field(None, gt=0.0, description="Forget a replica silent for this long "
+                                        "instead (None: stale_after_reports decides).")
     profile_lease_s: float = Field(180.0, gt=0.0,
                                    description="A profiling replica's claim expires after this.")
     history_s: float = Field(600.0, gt=0.0, description="How far back the status page's series go "
                              "(GET /dcut/history).")
 
 
+class RequestLimits(_Strict):
+    """What one request may ask for, refused at the ingress (OpenAI-style 4xx) before any engine work: a single
+    request must not be able to occupy a replica or the ingress's memory."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Larger bodies get 413, refused from Content-Length or "
+                                "while reading, never read whole.")
+    max_n: int = Field(16, ge=1, description="Ceiling on `n` and `best_of` (choices per request).")
+    max_stop: int = Field(16, ge=0, description="Ceiling on the number of stop strings and of stop token ids.")
+    max_tokens: int = Field(4096, ge=1, description="Ceiling on `max_tokens` / `max_completion_tokens`.")
+
+
 class IngressSettings(_Strict):
-    """The HTTP front: placement, concurrency, back-pressure and the API key."""
+    """The HTTP front: placement, concurrency, back-pressure, retries, request limits and the API key."""
 
     num_cpus: float = Field(0.1, ge=0.0)
     max_ongoing_requests: int = Field(512, ge=1, description="HTTP requests one ingress replica holds at once; "
                                       "beyond it Serve's proxy queues them.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header on 503 when every replica is full.")
-    api_key: str | None = Field(None, description="When set, every route but /health needs "
+    max_attempts: int = Field(2, ge=1, description="Engine replicas one request may be tried on: a replica that "
+                              "dies before the client got a byte costs a retry on another, never after.")
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    api_key: str | None = Field(None, repr=False, description="When set, every route but /health needs "
                                 "'Authorization: Bearer <api_key>'.")

@@ -54,8 +54,10 @@ class _Throughput:
 
 
 class VLLMEngine:
-    def __init__(self, settings: EngineSettings, stat_loggers: list | None = None):
+    def __init__(self, settings: EngineSettings, stat_loggers: list | None = None,
+                 max_prompt_tokens: int | None = None):
         self.settings = settings
+        self.max_prompt_tokens = max_prompt_tokens
         self._stat_loggers = stat_loggers
         self.engine = None
         self.load = EngineLoad()
@@ -92,6 +94,18 @@ class VLLMEngine:
         """Called with each request at the engine door, before it reaches vLLM; raising fails that request
         alone. A seam for subclasses (the fault tests' engine raises here); admits everything."""
 
+    def _check_prompt(self, prompt: Any) -> None:
+        """Refuse a prompt over ``max_prompt_tokens`` (a 400 from vLLM's serving layer, not an engine fault)."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.renderers.inputs.preprocess import extract_prompt_len
+
+        if self.max_prompt_tokens is None:
+            return
+        n = extract_prompt_len(self.engine.model_config, prompt)
+        if n > self.max_prompt_tokens:
+            raise VLLMValidationError(f"The prompt has {n} tokens; this server accepts at most "
+                                      f"{self.max_prompt_tokens}.", parameter="prompt")
+
     def _wrap_generate(self) -> None:
         """Count tokens, running, failed and aborted requests at the engine door. Wraps this engine
         instance's ``AsyncLLM.generate`` (the serving classes call it), not the class."""
@@ -101,6 +115,7 @@ class VLLMEngine:
         load, throughput = self.load, self._throughput
 
         async def generate(prompt, sampling_params, request_id, *args, **kwargs):
+            self._check_prompt(prompt)
             try:
                 self.admit(prompt, request_id)
             except Exception:

@@ -8,6 +8,7 @@ and ``scale`` (1..2 replicas, fast autoscaling) for the scale-up/scale-down test
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -52,7 +53,8 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     from app.builder import build_app
 
     main = _args(tiny_models, tmp_path_factory.mktemp("dcut-cache"), max_ongoing_requests=3,
-                 max_queued_requests=1, autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
+                 max_queued_requests=1, max_prompt_tokens=200,
+                 autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
     scale = _args(tiny_models, tmp_path_factory.mktemp("scale-cache"), max_ongoing_requests=8,
                   max_queued_requests=16,
                   autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
@@ -197,22 +199,51 @@ def test_503_with_retry_after_when_full(apps):
     assert full.json()["error"]["code"] == 503
 
 
+def _aborted(client) -> int:
+    return sum(r["load"]["aborted_total"] for r in _status(client)["replicas"])
+
+
+def _wait_aborted(client, before: int) -> None:
+    """Until a replica counts one more aborted engine request and none runs any (its KV cache is free)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        replicas = _status(client)["replicas"]
+        if sum(x["load"]["aborted_total"] for x in replicas) > before and \
+                all(x["load"]["engine_requests"] == 0 for x in replicas):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"engine request not aborted: {replicas}")
+
+
 def test_client_disconnect_aborts_engine_request(client):
-    aborted = sum(r["load"]["aborted_total"] for r in _status(client)["replicas"])
+    aborted = _aborted(client)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        replicas = _status(client)["replicas"]
-        if sum(x["load"]["aborted_total"] for x in replicas) > aborted and \
-                all(x["load"]["engine_requests"] == 0 for x in replicas):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"engine request not aborted: {replicas}")
+    _wait_aborted(client, aborted)
+
+
+def test_client_disconnect_aborts_non_streaming_request(client):
+    """The client gives up on a non-streaming request while the engine generates it: the engine aborts it."""
+    aborted = _aborted(client)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+
+    async def give_up():
+        async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
+            request = asyncio.create_task(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 20
+            while not any(r["load"]["engine_requests"] for r in (await c.get("/dcut/status")).json()["replicas"]):
+                assert time.monotonic() < deadline and not request.done(), "the request never reached an engine"
+                await asyncio.sleep(0.2)
+            request.cancel()  # closes the connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+    asyncio.run(give_up())
+    _wait_aborted(client, aborted)
 
 
 # ---- D-Cut controller ------------------------------------------------------------------------
@@ -349,3 +380,146 @@ def test_status_page_in_chromium(client):
     assert tables == 2 * list(status["cost_tables"]) and all(n >= 2 for n in drawn.values()), drawn  # bs 1, 4
     assert shown == replicas
     assert status["autoscaling"]["latest"] and latest.startswith("autoscaler now: utilisation"), latest
+
+
+# ---- limits, replica and controller faults, drain (issue 12); these kill processes: keep them last --------
+
+def test_request_limits_are_openai_errors(client):
+    """Every limit answers with its OpenAI-style 4xx naming the parameter; a request within them is served."""
+    big = b'{"model": "tiny", "prompt": "' + b"x" * (1 << 20) + b'"}'
+    _error(client.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+
+    def chunked():  # no Content-Length: refused while the body is read
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"x" * 65536
+        yield b'"}'
+
+    _error(client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"}), 413)
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for extra in ({"n": 17}, {"best_of": 1000}, {"max_tokens": 10**8}, {"stop": ["a"] * 17},
+                  {"stop_token_ids": list(range(17))}):
+        assert _error(client.post("/v1/completions", json={**base, **extra}), 400)["param"] == next(iter(extra))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000}
+    assert _error(client.post("/v1/chat/completions", json=chat), 400)["param"] == "max_completion_tokens"
+    for stream in (False, True):  # prompt tokens: counted by the replica (max_prompt_tokens=200 < max_model_len)
+        err = _error(client.post("/v1/completions", json={**base, "prompt": [5] * 201, "stream": stream}), 400)
+        assert "at most 200" in err["message"]
+    assert client.post("/v1/completions", json={**base, "prompt": [5] * 200, "n": 2}).status_code == 200
+
+
+def test_api_key_never_logged(client):
+    """The key travels in every request here; no log of the Ray session (Serve, replicas, proxy) holds it."""
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_session_dir_path()) / "logs"
+    assert client.get("/v1/models").status_code == 200
+    leaked = [f.name for f in logs.rglob("*") if f.is_file() and KEY.encode() in f.read_bytes()]
+    assert not leaked, leaked
+
+
+def _metric(name: str) -> float:
+    """Sum of a ``ray_dcut_*`` series over its labels on Ray's metrics port."""
+    import ray
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_controller_killed_serving_continues_and_restarted_controller_relearns(client):
+    from loadtest.faults import replica_pid
+
+    before = _status(client)
+    ids, tables = {r["replica_id"] for r in before["replicas"]}, set(before["cost_tables"])
+    os.kill(replica_pid("#DCutController#"), 9)
+    t0 = time.monotonic()
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    for _ in range(4):  # while Serve notices and restarts it
+        assert client.post("/v1/completions", json=body).status_code == 200
+    while True:
+        r = client.get("/dcut/status", timeout=30)
+        if r.status_code == 200 and {x["replica_id"] for x in r.json()["replicas"]} == ids \
+                and set(r.json()["cost_tables"]) == tables:
+            break
+        assert time.monotonic() - t0 < 90, f"the restarted controller did not relearn: {r.text[:300]}"
+        time.sleep(0.5)
+    print(f"controller back with both replicas and their tables {time.monotonic() - t0:.1f} s after SIGKILL")
+
+
+def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
+    """A third app starts at 2 replicas with an objective so low that the policy wants 1: the downscale comes
+    while clients keep sending (streams and plain), the stopped replica finishes what it runs: 0 failures.
+    Then `serve.delete` (what `serve shutdown` does) with requests in flight: they finish too."""
+    from ray import serve
+
+    from app.builder import build_app
+    from loadtest.faults import Load
+
+    scale = httpx.get(f"{BASE}/scale/dcut/status", headers=AUTH, timeout=10).json()["cost_tables"]
+    (table,) = [t["table"] for t in scale.values()]
+    (tmp_path / "table.json").write_text(json.dumps(table))  # both replicas start at once, nobody profiles
+    args = _args(tiny_models, tmp_path, max_ongoing_requests=8, max_queued_requests=16,
+                 autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2,
+                              "request_tokens_per_s": 1e-3, "downscale_delay_s": 5, "look_back_period_s": 2})
+    args["engine"]["dcut"]["cost_table"] = str(tmp_path / "table.json")
+    serve.run(build_app(args), name="drain", route_prefix="/drain")
+
+    def states() -> dict:
+        return serve.status().applications["drain"].deployments["EngineReplica"].replica_states
+
+    assert states().get("RUNNING") == 2, states()
+    plain = {"model": MODEL, "prompt": "Hello", "max_tokens": 32, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=f"{BASE}/drain", headers=AUTH, timeout=120) as c:
+            async with Load(c, plain, 3) as load, Load(c, {**plain, "stream": True}, 2) as streams:
+                t0, busy, last = time.monotonic(), None, None
+                while (now := await asyncio.to_thread(states)).get("RUNNING") != 1 or now.get("STOPPING"):
+                    assert time.monotonic() - t0 < 60, now
+                    if busy is None and now.get("STOPPING") and last:  # what each replica ran as the drain began
+                        busy = [r["load"]["ongoing_requests"] for r in last["replicas"]]
+                    last = (await c.get("/dcut/status")).json()
+                    await asyncio.sleep(0.1)
+                await asyncio.sleep(1)
+            return load, streams, busy, time.monotonic() - t0
+
+    load, streams, busy, took = asyncio.run(scenario())
+    print(f"scale-down under load in {took:.1f} s: plain {dict(load.outcomes)}, streams {dict(streams.outcomes)}, "
+          f"in flight per replica as the drain began {busy}")
+    assert not load.failed and not streams.failed, (load.outcomes, streams.outcomes)
+    assert busy and len(busy) == 2 and all(n > 0 for n in busy), busy
+
+    async def shutdown():
+        async with httpx.AsyncClient(base_url=f"{BASE}/drain", headers=AUTH, timeout=120) as c:
+            requests = [asyncio.create_task(c.post("/v1/completions", json={**plain, "max_tokens": 64}))
+                        for _ in range(3)]
+            await asyncio.sleep(1.5)
+            serve.delete("drain", _blocking=False)
+            return [r.status_code for r in await asyncio.gather(*requests)]
+
+    assert asyncio.run(shutdown()) == [200] * 3
+
+
+def test_replica_sigkill_under_load(client):
+    """SIGKILL of the replica serving a stream, under concurrent non-streaming load: no request fails (those
+    that had no byte yet are retried on the other replica), the stream ends with an error event and [DONE],
+    the dead replica leaves /dcut/status within 3 report intervals. Two clients: what the surviving replica holds
+    (max_ongoing_requests=3), so none is refused by back-pressure while Serve replaces the dead one."""
+    from loadtest.faults import kill_drill
+
+    broken = _metric("ray_dcut_ingress_broken_streams_total")
+
+    async def drill():
+        async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
+            return await kill_drill(c, MODEL, users=2, max_tokens=16, load_s=8, timeout_s=60, until_replaced=False)
+
+    report = asyncio.run(drill())
+    print(f"replica SIGKILL: {report}, retries {_metric('ray_dcut_ingress_retries_total')}")
+    assert report.failed == 0, report.outcomes
+    assert report.probe_stream == "error"
+    assert report.dropped_from_status_s is not None and report.dropped_from_status_s <= 3 * 1.0 + 1.5
+    deadline = time.monotonic() + 40  # Ray exports metrics every few seconds
+    while _metric("ray_dcut_ingress_broken_streams_total") <= broken:
+        assert time.monotonic() < deadline, "broken stream not counted"
+        time.sleep(1)

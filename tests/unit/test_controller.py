@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.settings import DCutSettings
 from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
@@ -27,6 +29,7 @@ def report(replica: str, cost_table: dict | None, fingerprint: str = KEY, **kw) 
                             estimates=[ThroughputEstimate(4, 6.0, 10.0, 600.0, 150.0)])
     return ReplicaReport(replica_id=replica, served_model_name="dense", fingerprint=fingerprint,
                          start_seconds=1.0, sent_at=kw.pop("sent_at", time.time()),
+                         interval_s=kw.pop("interval_s", 2.0),
                          load=EngineLoad(), capacity_tokens_per_s=kw.pop("capacity", 100.0), capacity_from="estimates",
                          demand_tokens_per_s=kw.pop("demand", 0.0), dcut=snapshot).model_dump(mode="json")
 
@@ -86,3 +89,16 @@ def test_status_reads_the_typed_snapshot_of_each_replica():
     assert r["cost_source"] == "profiled" and r["keep_ratio"] == 0.5 and r["steps"] == 3
     assert r["estimates"] == [{"batch_size": 4, "tokens_per_step": 6.0, "step_ms": 10.0, "tokens_per_s": 600.0,
                                "request_tokens_per_s": 150.0}]
+
+
+def test_replica_silent_for_three_of_its_intervals_leaves_the_cluster_view():
+    """By default a replica is forgotten after 3 of its own report intervals, whatever their length; its age shows
+    until then."""
+    c = DCutController(ControllerSettings(), AutoscalingSettings())
+    now = time.time()
+    c.report(report("fast-late", None, interval_s=1.0, sent_at=now - 3.5))
+    c.report(report("slow-fine", None, interval_s=2.0, sent_at=now - 3.5))
+    c.report(report("fresh", None, interval_s=1.0, sent_at=now - 0.5))
+    replicas = {r["replica_id"]: r for r in c.status()["replicas"]}
+    assert sorted(replicas) == ["fresh", "slow-fine"]
+    assert replicas["slow-fine"]["age_s"] == pytest.approx(3.5, abs=0.5)

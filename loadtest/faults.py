@@ -1,0 +1,184 @@
+"""Fault drills against a dcut-serve application on this machine: SIGKILL one engine replica while clients send
+requests, and measure what the clients saw. HTTP to 127.0.0.1 only; bounded in users and seconds.
+
+    make serve &                                   # or any running app (it must answer /dcut/status)
+    python -m loadtest.faults --users 16 --max-tokens 32 [--api-key KEY] [--timeout 180]
+
+The drill opens one long stream (the probe), finds the replica serving it from ``/dcut/status``, starts ``users``
+clients posting non-streaming completions in a loop, SIGKILLs the probe's replica (its process, found in the
+local Ray cluster's actor table), keeps the clients going for ``load_s`` seconds, then waits until
+``/dcut/status`` lists as many replicas as before again (or ``timeout``). It reports every request's outcome,
+how the probe stream ended, how long the dead replica stayed in the status, and how long until a replacement
+reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+LOCAL = ("127.0.0.1", "localhost")
+
+
+def stream_ending(text: str) -> str:
+    """How an SSE body ended: ``done`` ([DONE] after data), ``error`` (an error event, then [DONE]) or ``cut``."""
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return "cut"
+    return "error" if any(e.startswith('{"error"') for e in events[:-1]) else "done"
+
+
+class Load:
+    """``users`` clients posting ``body`` in a loop until stopped; ``outcomes`` counts what came back (the status
+    code, ``cut``/``error`` for a stream that did not end cleanly, or the client-side exception's name)."""
+
+    def __init__(self, client: httpx.AsyncClient, body: dict, users: int, path: str = "/v1/completions"):
+        self.client, self.body, self.users, self.path = client, body, users, path
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _user(self) -> None:
+        while not self._stop.is_set():
+            try:
+                r = await self.client.post(self.path, json=self.body)
+                ending = stream_ending(r.text) if self.body.get("stream") and r.status_code == 200 else "done"
+                self.outcomes[str(r.status_code) if ending == "done" else ending] += 1
+            except httpx.HTTPError as e:
+                self.outcomes[type(e).__name__] += 1
+
+    @property
+    def failed(self) -> dict[str, int]:
+        return {k: n for k, n in self.outcomes.items() if k != "200"}
+
+    async def __aenter__(self) -> Load:
+        self._tasks = [asyncio.create_task(self._user()) for _ in range(self.users)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()  # every request already sent finishes: none is abandoned by the drill
+        await asyncio.gather(*self._tasks)
+
+
+def replica_pid(name_part: str) -> int:
+    """PID of the live Ray actor whose name contains ``name_part`` (a Serve replica is named
+    ``SERVE_REPLICA::<app>#<deployment>#<replica id>``). Needs ``ray.init`` on this machine's cluster."""
+    from ray._private import state
+
+    for info in state.actors(actor_state_name="ALIVE").values():
+        if name_part in info["Name"] and info["Pid"]:
+            return int(info["Pid"])
+    raise LookupError(f"no live actor named *{name_part}*")
+
+
+@dataclass
+class KillReport:
+    users: int
+    max_tokens: int
+    killed_replica: str = ""
+    outcomes: dict[str, int] = field(default_factory=dict)
+    probe_stream: str = ""
+    dropped_from_status_s: float | None = None
+    replaced_s: float | None = None
+    duration_s: float = 0.0
+
+    @property
+    def requests(self) -> int:
+        return sum(self.outcomes.values())
+
+    @property
+    def failed(self) -> int:
+        return sum(n for k, n in self.outcomes.items() if k != "200")
+
+
+async def _replicas(client: httpx.AsyncClient) -> list[dict]:
+    return (await client.get("/dcut/status", timeout=30)).json()["replicas"]
+
+
+async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max_tokens: int = 32,
+                     probe_tokens: int = 240, warmup_s: float = 1.0, load_s: float = 20.0, timeout_s: float = 180.0,
+                     until_replaced: bool = True) -> KillReport:
+    """SIGKILL the replica serving a long stream while ``users`` clients send completions (module docstring);
+    ``until_replaced=False`` stops once the load is over and the dead replica left the status."""
+    assert client.base_url.host in LOCAL, "fault drills run against this machine only"
+    report = KillReport(users=users, max_tokens=max_tokens)
+    before = await _replicas(client)
+    probe_body = {"model": model, "prompt": "Hello", "max_tokens": probe_tokens, "ignore_eos": True, "stream": True}
+    first_chunk = asyncio.Event()
+
+    async def probe() -> str:
+        async with client.stream("POST", "/v1/completions", json=probe_body) as r:
+            text = ""
+            async for line in r.aiter_lines():
+                text += line + "\n"
+                first_chunk.set()
+        return stream_ending(text)
+
+    probe_task = asyncio.create_task(probe())
+    await asyncio.wait_for(first_chunk.wait(), 60)
+    deadline = time.monotonic() + 30
+    while not (busy := [r for r in await _replicas(client) if r["load"]["engine_requests"] > 0]):
+        assert time.monotonic() < deadline, "no replica reports the probe stream"
+        await asyncio.sleep(0.25)
+    victim = report.killed_replica = busy[0]["replica_id"]
+    body = {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True}
+    async with Load(client, body, users) as load:
+        await asyncio.sleep(warmup_s)
+        t0 = time.monotonic()
+        os.kill(replica_pid(f"#{victim}"), signal.SIGKILL)
+        await _watch(client, victim, len(before), report, t0, t0 + load_s, done=lambda r: False)
+    report.probe_stream = await probe_task
+    report.outcomes = dict(load.outcomes)
+    seen = "replaced_s" if until_replaced else "dropped_from_status_s"
+    await _watch(client, victim, len(before), report, t0, t0 + timeout_s,
+                 done=lambda r: getattr(r, seen) is not None)
+    report.duration_s = round(time.monotonic() - t0, 2)
+    return report
+
+
+async def _watch(client: httpx.AsyncClient, victim: str, replicas: int, report: KillReport, t0: float,
+                 until: float, done: Callable[[KillReport], bool]) -> None:
+    """Poll ``/dcut/status`` until ``until`` (monotonic) or ``done(report)``, noting when ``victim`` left it and
+    when ``replicas`` replicas report again without it."""
+    while time.monotonic() < until and not done(report):
+        ids = {r["replica_id"] for r in await _replicas(client)}
+        if report.dropped_from_status_s is None and victim not in ids:
+            report.dropped_from_status_s = round(time.monotonic() - t0, 2)
+        if report.replaced_s is None and victim not in ids and len(ids) >= replicas:
+            report.replaced_s = round(time.monotonic() - t0, 2)
+        await asyncio.sleep(0.25)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key")
+    p.add_argument("--model", default="dense")
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")
+    opts = p.parse_args()
+    import ray
+
+    ray.init(address="auto", log_to_driver=False)
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+
+    async def run() -> KillReport:
+        async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:
+            return await kill_drill(client, opts.model, opts.users, opts.max_tokens, timeout_s=opts.timeout)
+
+    report = asyncio.run(run())
+    print(json.dumps({**asdict(report), "requests": report.requests, "failed": report.failed}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
