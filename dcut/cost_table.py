@@ -1,4 +1,4 @@
-"""Measured step cost by batch size and verify tokens (DESIGN.md section 2, "Cost table").
+"""Measured step cost by batch size and verify tokens (docs/algorithm.md, section 3).
 
 Costs are measured, never assumed: dense and MoE curves differ by 2x. A table carries the
 fingerprint of what it was measured on, so a replica can reuse a table profiled elsewhere on the

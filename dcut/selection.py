@@ -1,4 +1,4 @@
-"""The D-Cut decision: which drafts of a batch to verify (DESIGN.md section 2).
+"""The D-Cut decision: which drafts of a batch to verify (docs/algorithm.md, sections 1-2).
 
 Everything here is vectorised over the batch and free of host syncs (no ``.item()``,
 ``.tolist()`` or ``bool(tensor)`` on data), so ``select`` can run on the GPU inside an engine step
@@ -80,7 +80,7 @@ def keep_depths_for_budget(scores: Tensor, budget: int | Tensor) -> Tensor:
 
 @dataclass
 class Decision:
-    """One step's decision. Tensors stay on their device; ``to_dict`` syncs."""
+    """One step's decision. Tensors stay on their device (reading one syncs)."""
 
     mode: str
     ratio: float | Tensor | None  # the bucket used; None for continuous (no bucket)
@@ -93,20 +93,6 @@ class Decision:
     chosen: Tensor | None = None  # index into candidates
     fallback: bool = False  # no cost covered this batch size
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (syncs with the device)."""
-        return {
-            "mode": self.mode,
-            "ratio": _plain(self.ratio),
-            "budget": _plain(self.budget),
-            "kept": _plain(self.kept),
-            "proposed": _plain(self.proposed),
-            "expected_accepted": _plain(self.expected_accepted),
-            "candidates": _plain(self.candidates),
-            "utilities": _plain(self.utilities),
-            "chosen": _plain(self.chosen),
-            "fallback": self.fallback,
-        }
 
 
 def select(
@@ -283,14 +269,3 @@ def _auto_budgets(bs: int, k: int, device: torch.device) -> Tensor:
 
 def _auto_ratios(device: torch.device) -> Tensor:
     return _cached(("ratios", device), lambda: torch.tensor(AUTO_RATIOS[::-1], device=device))
-
-
-def _plain(value: Any) -> Any:
-    """A tensor (or number) as JSON-able Python values."""
-    if isinstance(value, Tensor):
-        value = value.detach().cpu().tolist()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # -inf marks a budget that was not available
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value

@@ -1,4 +1,4 @@
-"""Per-step statistics, their rolling summaries, and throughput estimates (DESIGN.md section 5).
+"""Per-step statistics, their rolling summaries, and throughput estimates (docs/algorithm.md, section 5).
 
 A replica records one ``StepRecord`` per engine step, keeps the recent ones in a ``StepWindow``,
 and reports ``summary()`` to the controller. The estimate functions turn a cost table and the

@@ -173,7 +173,7 @@ def geo_mean(values: list[float]) -> float | None:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """Speedup table shaped like DESIGN §1, then keep ratio and accepted length per cell."""
+    """Speedup vs plain decoding per mode and batch size, then keep ratio and accepted length per cell."""
     sizes = record["batch_sizes"]
     modes = list(dict.fromkeys(r["mode"] for r in record["results"]))
     cell = {(r["mode"], r["bs"]): r for r in record["results"]}

@@ -1,6 +1,6 @@
 """``dcut bench-policy``: how long the D-Cut decision itself takes per engine step.
 
-A third-party port lost 1-2% at low batch size to selection overhead (DESIGN.md section 1), so
+A third-party port lost 1-2% at low batch size to selection overhead, so
 the decision must stay in the tens of microseconds. Times ``select`` on random confidences with a
 synthetic cost table shaped like the CPU measurements (a(bs) + 0.6 ms per verify token).
 """

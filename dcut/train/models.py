@@ -367,13 +367,4 @@ def scheduled_lr(step: int, progress: float, base: float, warmup: int = 50, floo
     return base * w * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def cosine_lr(step: int, total: int, base: float, warmup: int = 50, floor: float = 0.1) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    if total <= warmup:
-        return base
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 __all__ = [n for n in dir() if not n.startswith("_")] + ["asdict"]

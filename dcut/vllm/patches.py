@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dcut.selection import log_confidence
 from dcut.vllm.catch_up import ContextStash
 from dcut.vllm.fingerprint import fingerprint_for
 from dcut.vllm.state import RunnerDCut, settings_from_config
@@ -188,21 +189,17 @@ def _proposer_sample_draft_tokens(original: Callable[..., Any]) -> Callable[...,
             return tokens, None
         tokens, probs = original(self, hidden_states, sampling_metadata)
         if probs is not None:  # sampled drafting: the probability of the sampled token
-            sink.append(_log_prob_of(probs.float().clamp_min(1e-30).log(), tokens))
+            sink.append(log_confidence(probs.float().clamp_min(1e-30).log(), tokens))
         else:  # rare paths (local argmax / heterogeneous vocab): recompute the logits
             logits = self.model.compute_logits(hidden_states)
             if self.use_heterogeneous_vocab:
                 logits = self.vocab_mapping.constrain_draft_logits(logits)
                 tokens_in_draft_vocab = logits.argmax(dim=-1)
-                sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens_in_draft_vocab))
+                sink.append(log_confidence(logits, tokens_in_draft_vocab))
             else:
-                sink.append(_log_prob_of(logits.float().log_softmax(dim=-1), tokens))
+                sink.append(log_confidence(logits, tokens))
         return tokens, probs
     return _sample_draft_tokens
-
-
-def _log_prob_of(log_probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return log_probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 # -- GPUModelRunner.execute_model / propose_draft_token_ids / take_draft_token_ids ----------------

@@ -288,7 +288,6 @@ class RunnerDCut:
             if self.joint:
                 self.width_stats.observe(verified.width, reached_at, accepted_at)
             self._update_calibration(verified)
-        # Only the counts: Decision.to_dict would also copy every candidate's U to the host each step.
         decision = pending.decision if pending is not None else None
         proposed = int(pending.log_conf.numel()) if pending is not None else 0
         kept = int(decision.kept) if decision is not None else proposed

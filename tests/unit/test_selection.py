@@ -102,14 +102,13 @@ def test_select_keeps_prefixes_of_positive_drafts(mode: str, lc: torch.Tensor, c
     assert depths.shape == (bs,) and depths.dtype == torch.int64
     assert bool(((depths >= 0) & (depths <= k)).all())
     assert int(depths.sum()) == int(decision.kept)
-    out = decision.to_dict()
-    assert out["mode"] == mode and out["fallback"] is False
+    assert decision.mode == mode and decision.fallback is False
     if mode != "full" and bs:
         scores = prefix_scores(lc)
         kept = torch.arange(k) < depths.unsqueeze(1)
         assert bool((scores[kept] > 0).all())
         bonus = bs if count_bonus else 0
-        assert out["expected_accepted"] == pytest.approx(float(scores[kept].sum()) + bonus, abs=1e-4)
+        assert float(decision.expected_accepted) == pytest.approx(float(scores[kept].sum()) + bonus, abs=1e-4)
 
 
 def test_fixed_budget_met_exactly() -> None:
@@ -138,7 +137,7 @@ def test_auto_equals_brute_force(lc: torch.Tensor, bonus: bool, per_token: float
     table = linear_table(per_token=per_token)
     depths, decision = select(lc, DCutSettings(mode="auto", count_bonus=bonus), table)
     utilities = brute_force_auto(lc, table, bonus)
-    chosen_ratio = decision.to_dict()["ratio"]
+    chosen_ratio = float(decision.ratio)
     assert chosen_ratio in AUTO_RATIOS
     assert utilities[AUTO_RATIOS.index(chosen_ratio)] >= max(utilities) * (1 - 1e-5)
     # exact ties (buckets capped to the same budget) go to the larger bucket
@@ -152,7 +151,7 @@ def test_auto_tie_prefers_larger_bucket() -> None:
     # flat cost: every bucket costs the same, so keeping more is free
     table = CostTable(FP, {4: [(4, 10.0, 1), (64, 10.0, 1)]})
     depths, decision = select(torch.full((4, 15), -0.1), DCutSettings(mode="auto"), table)
-    assert decision.to_dict()["ratio"] == 1.0 and int(depths.sum()) == 60
+    assert float(decision.ratio) == 1.0 and int(depths.sum()) == 60
 
 
 @given(lc=log_confs.filter(lambda t: t.shape[0] > 0), bonus=st.booleans(), per_token=st.floats(0.0, 3.0))
@@ -183,7 +182,7 @@ def test_min_saving_keeps_full_width_when_saving_is_small() -> None:
         depths, decision = select(lc, DCutSettings(mode=mode, min_saving=0.12), table)
         assert int(depths.sum()) == 8 * 15
         if mode == "auto":
-            assert decision.to_dict()["ratio"] == 1.0
+            assert float(decision.ratio) == 1.0
 
 
 def test_min_budget_floor_capped_at_available() -> None:
@@ -201,14 +200,14 @@ def test_no_cost_falls_back_to_fixed_ratio() -> None:
         depths, decision = select(lc, DCutSettings(mode="auto", fallback_ratio=0.75), cost)
         assert decision.fallback and decision.ratio == 0.75
         assert int(depths.sum()) == bucket_budget(0.75, 64, 15)
-        assert decision.to_dict()["fallback"] is True
+        assert decision.fallback is True
 
 
 def test_edge_shapes() -> None:
     table = linear_table()
     for mode in ("full", "fixed", "auto", "continuous"):
         depths, decision = select(torch.zeros(0, 15), DCutSettings(mode=mode), table)
-        assert depths.shape == (0,) and decision.to_dict()["kept"] == 0
+        assert depths.shape == (0,) and int(decision.kept) == 0
         depths, _ = select(torch.full((1, 1), -0.1), DCutSettings(mode=mode), table)
         assert depths.tolist() in ([0], [1])
         depths, _ = select(torch.full((3, 4), math.nan), DCutSettings(mode=mode), table)
@@ -222,11 +221,11 @@ def test_max_depth_never_keeps_missing_drafts() -> None:
     for mode in ("full", "fixed", "auto", "continuous"):
         depths, decision = select(lc, DCutSettings(mode=mode, fixed_ratio=1.0), table, max_depth)
         assert depths.tolist() == [5, 2, 0]
-        assert decision.to_dict()["proposed"] == 7
+        assert int(decision.proposed) == 7
 
 
 def test_global_top_k_beats_fixed_per_request_budget() -> None:
-    """DESIGN section 1: same budget, per_request < global top-k < full, in expectation."""
+    """Same budget, per_request < global top-k < full, in expectation."""
     gen = torch.Generator().manual_seed(0)
     bs, k = 32, 15
     rates = torch.distributions.Beta(2.0, 1.0).sample((bs,)).clamp(0.05, 0.99)  # spread acceptance
