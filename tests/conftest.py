@@ -7,6 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from dcut.settings import engine_env
+
+# Engines started in this process (in-process vLLM, 1 GiB KV cache, nothing from a hub); the user's
+# environment wins.
+for _key, _value in engine_env(kv_cache_gib=1).items():
+    os.environ.setdefault(_key, _value)
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:

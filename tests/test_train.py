@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -15,8 +14,6 @@ from dcut.train import data as D  # noqa: E402
 from dcut.train import loop as L  # noqa: E402
 from dcut.train import models as M  # noqa: E402
 from dcut.train import tokenizer as TK  # noqa: E402
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, intermediate_size=128, max_position_embeddings=256)

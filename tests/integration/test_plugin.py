@@ -16,8 +16,6 @@ from dcut.settings import DCutSettings, EngineSettings
 from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "if x > 0:", "while True:",
            "return self", "print("] * 2

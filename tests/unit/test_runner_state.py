@@ -1,0 +1,78 @@
+"""`RunnerDCut`, the per-runner state machine, on synthetic tensors (no engine): what the vLLM hooks call
+each step (begin_step -> choose_width -> on_drafted -> cut) and what it records."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dcut.cost_table import CostTable, Fingerprint
+from dcut.settings import DCutSettings
+from dcut.vllm.state import RunnerDCut
+
+FP = Fingerprint(hardware="cpu", model="m", drafter="d", k=4)
+REQS = ["a", "b"]
+
+
+def _runner(**settings) -> RunnerDCut:
+    return RunnerDCut(DCutSettings(**{"calibrate": False, **settings}), FP, k=4)
+
+
+def _step(r: RunnerDCut, spec: dict[str, list[int]], log_conf: torch.Tensor | None,
+          sampled: torch.Tensor | None = None) -> list[list[int]]:
+    """One engine step: verify ``spec`` (``sampled``: vLLM's [bs, drafts + 1] with -1 for rejected), draft 4."""
+    r.begin_step({q: 1 + len(spec.get(q, ())) for q in REQS}, spec)
+    width = r.choose_width(len(REQS), 4)
+    num_draft = [len(spec.get(q, ())) for q in REQS] if sampled is not None else None
+    r.on_drafted(REQS, log_conf, sampled, num_draft)
+    return r.cut(REQS, [[1, 2, 3, 4][:width], [5, 6, 7, 8][:width]])
+
+
+def test_fixed_mode_cuts_the_least_confident_drafts_to_prefixes():
+    r = _runner(mode="fixed", fixed_ratio=0.5)
+    sure, unsure = math.log(0.95), math.log(0.2)
+    log_conf = torch.tensor([[sure, sure, sure, unsure], [unsure, sure, sure, sure]])
+    drafts = _step(r, {}, log_conf)
+    # ratio 0.5 of the 2 x 5 verify slots, minus the 2 anchors: 3 drafts, all from request a.
+    assert drafts == [[1, 2, 3], []]
+    (record,) = r.window.records
+    assert (record.proposed, record.kept, record.batch_size) == (8, 3, 2)
+
+
+def test_acceptance_is_counted_from_the_sampled_tokens_next_step():
+    r = _runner(mode="full")
+    lc = torch.full((2, 4), math.log(0.9))
+    drafts = _step(r, {}, lc)
+    assert drafts == [[1, 2, 3, 4], [5, 6, 7, 8]]  # full: nothing cut
+    # Next step verifies them: a accepts 2 of 4 (+ bonus), b none (only the target's own token).
+    sampled = torch.tensor([[11, 12, 13, -1, -1], [21, -1, -1, -1, -1]])
+    _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+    last = r.window.records[-1]
+    assert last.accepted == 2
+    assert last.kept_per_position == [2, 2, 2, 2] and last.accepted_per_position == [1, 1, 0, 0]
+    assert r.window.position_acceptance()[:3] == [0.5, 0.5, 0.0]
+
+
+def test_calibration_learns_from_the_drafts_it_scored():
+    r = RunnerDCut(DCutSettings(mode="auto", calibrate=True), FP, k=4)
+    lc = torch.full((2, 4), math.log(0.9))
+    for _ in range(3):
+        drafts = _step(r, {}, lc)
+        _step(r, {"a": drafts[0], "b": drafts[1]}, None, torch.tensor([[1, -1, -1, -1, -1]] * 2)[:, : 1 + 4])
+    rel = r.calibrators[4].reliability()
+    assert rel["observations"][0] > 0 and rel["acceptance_rate"][0] == 0.0  # confident, never accepted
+
+
+def test_joint_chooses_a_listed_width_from_the_cost_table():
+    table = CostTable(FP, {2: [(2, 10.0, 3), (10, 11.0, 3)]},
+                      draft={2: {w: (0.1 if w == 0 else 30.0, 3) for w in (0, 1, 2, 3, 4)}})
+    r = _runner(mode="joint")
+    r.cost_table, r.cost_source = table, "given"
+    r.begin_step({q: 1 for q in REQS}, {})
+    width = r.choose_width(2, 4)
+    assert width in r.widths
+    # Drafting costs 3 plain steps: even the prior's acceptance cannot pay for it; width 0 wins unless probing.
+    assert width == 0 or r.probe
+    snap = r.snapshot()
+    assert snap.cost_source == "given" and snap.settings.mode == "joint"
