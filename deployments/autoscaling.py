@@ -15,6 +15,7 @@ changes of mind (`publish`) for the D-Cut controller's status page (`read_log`).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from typing import Any
@@ -22,6 +23,8 @@ from typing import Any
 from ray.experimental import internal_kv
 
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, ScalingDecision, ScalingLog, ScalingRule
+
+logger = logging.getLogger("ray.serve")
 
 
 class DCutPolicy:
@@ -119,9 +122,13 @@ def _kv_key(app_name: str) -> str:
 
 def publish(app_name: str, log: ScalingLog) -> None:
     """Store ``log`` for ``read_log(app_name)``; a no-op outside a Ray worker (unit tests)."""
-    if internal_kv._internal_kv_initialized():
+    if not internal_kv._internal_kv_initialized():
+        return
+    try:
         internal_kv._internal_kv_put(_kv_key(app_name), log.model_dump_json(), overwrite=True,
                                      namespace=_KV_NAMESPACE)
+    except Exception as e:  # noqa: BLE001 - the status page must never stop autoscaling
+        logger.warning("autoscaling decision not published: %s", e)
 
 
 def read_log(app_name: str) -> ScalingLog:

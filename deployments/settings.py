@@ -130,4 +130,5 @@ class IngressSettings(_Strict):
                               "dies before the client got a byte costs a retry on another, never after.")
     limits: RequestLimits = Field(default_factory=RequestLimits)
     api_key: str | None = Field(None, repr=False, description="When set, every route but /health needs "
-                                "'Authorization: Bearer <api_key>'.")
+                                "'Authorization: Bearer <api_key>' (the status page, /dcut/, also takes it as "
+                                "an HTTP Basic password: a browser asks for it).")
