@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium's own connections are refused on a closed network and
@@ -44,11 +45,16 @@ def open_page(browser: Browser, url: str, key: str | None, errors: list[str]) ->
 
 
 def wait_for_charts(page: Page, timeout_s: float) -> None:
-    """Until every chart has drawn points (the page refreshes itself every 2 s)."""
-    page.wait_for_function(f"""() => {{
-        const charts = [...document.querySelectorAll('{CHARTS}')];
-        return charts.length > 0 && charts.every((c) => Number(c.dataset.points) > 0);
-    }}""", timeout=timeout_s * 1000)
+    """Until every chart has drawn points (the page refreshes itself every 2 s); else say which have none."""
+    try:
+        page.wait_for_function(f"""() => {{
+            const charts = [...document.querySelectorAll('{CHARTS}')];
+            return charts.length > 0 && charts.every((c) => Number(c.dataset.points) > 0);
+        }}""", timeout=timeout_s * 1000)
+    except PlaywrightTimeout:
+        empty = page.eval_on_selector_all(CHARTS, "cs => cs.filter((c) => !(Number(c.dataset.points) > 0))"
+                                                  ".map((c) => c.id || c.dataset.title)")
+        raise AssertionError(f"charts without data after {timeout_s} s: {empty}") from None
 
 
 def main() -> None:

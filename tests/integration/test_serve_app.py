@@ -154,8 +154,15 @@ def _error(r, status):
 
 
 def test_auth_required(apps):
-    for path in ("/v1/models", "/dcut/status"):
-        _error(httpx.get(BASE + path), 401)
+    """Every route of the ingress but /health answers 401 without the key; FastAPI's docs routes do not exist."""
+    from deployments.ingress import api
+
+    routes = [(method, route.path) for route in api.routes for method in route.methods if route.path != "/health"]
+    assert {("GET", "/v1/models"), ("GET", "/dcut/status"), ("POST", "/v1/completions")} <= set(routes)
+    for method, path in routes:
+        _error(httpx.request(method, BASE + path), 401)
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(BASE + path).status_code == 404
     _error(httpx.post(f"{BASE}/v1/completions", json={"model": MODEL, "prompt": "x"},
                       headers={"Authorization": "Bearer nope"}), 401)
 
@@ -354,8 +361,10 @@ def test_status_page_in_chromium(client):
 
     challenge = httpx.get(f"{BASE}/dcut/").headers["www-authenticate"]
     assert challenge.startswith("Basic"), "a browser must be asked for the key"
-    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12, "ignore_eos": True}
-    for _ in range(2):  # D-Cut steps: keep ratio, width and acceptance to draw
+    body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
+    deadline = time.monotonic() + 60  # until a replica has verified drafts (joint may start at width 0)
+    while not any(a is not None for r in _status(client)["replicas"] for a in r["acceptance"]["per_position"] or []):
+        assert time.monotonic() < deadline, "no drafts verified within 60 s"
         assert client.post("/v1/completions", json=body).status_code == 200
     deadline = time.monotonic() + 20
     while min(map(len, (h := client.get("/dcut/history").json())["replicas"].values()), default=0) < 2:
