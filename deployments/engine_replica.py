@@ -124,8 +124,14 @@ class EngineReplica:
         return telemetry.demand(running, load.ongoing_requests - running, self.rs.autoscaling.request_tokens_per_s)
 
     async def report(self) -> ReplicaReport:
-        """Read D-Cut's state from the engine and summarise it with the replica's load."""
-        self._snapshot = await asyncio.wait_for(self.engine.dcut_snapshot(), timeout=READ_TIMEOUT_S)
+        """Read D-Cut's state from the engine and summarise it with the replica's load. A read slower than the
+        report interval keeps the last snapshot: the report still goes out, so a busy replica is not taken for
+        a dead one."""
+        try:
+            self._snapshot = await asyncio.wait_for(
+                self.engine.dcut_snapshot(), timeout=min(READ_TIMEOUT_S, self.rs.telemetry_interval_s))
+        except TimeoutError:
+            logger.warning("D-Cut state read took over %.1f s; reporting the last one", self.rs.telemetry_interval_s)
         capacity, capacity_from = self.capacity()
         return ReplicaReport(
             replica_id=self.replica_id, served_model_name=self.served_model_name,

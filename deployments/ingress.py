@@ -32,7 +32,8 @@ from deployments.metrics import IngressMetrics
 from deployments.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")
-api = FastAPI(title="dcut-serve")
+# No /docs, /redoc or /openapi.json: every route but /health needs the key (the schema is `api.openapi()`).
+api = FastAPI(title="dcut-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
 
 def error_body(message: str, status: int, err_type: str, param: str | None = None) -> dict:
