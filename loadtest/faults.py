@@ -1,8 +1,8 @@
 """Fault drills against a dcut-serve application on this machine: SIGKILL one engine replica while clients send
 requests, and measure what the clients saw. HTTP to 127.0.0.1 only; bounded in users and seconds.
 
-    make serve &                                   # or any running app (it must answer /dcut/status)
-    python -m loadtest.faults --users 16 --max-tokens 32 [--api-key KEY] [--timeout 180]
+    python -m loadtest.faults --config app.config.yaml --users 16 --max-tokens 32   # serves it, drills, stops it
+    python -m loadtest.faults --users 16 [--api-key KEY]      # against an app already served here (make serve)
 
 The drill opens one long stream (the probe), finds the replica serving it from ``/dcut/status``, starts ``users``
 clients posting non-streaming completions in a loop, SIGKILLs the probe's replica (its process, found in the
@@ -20,11 +20,14 @@ import collections
 import json
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
+import yaml
 
 LOCAL = ("127.0.0.1", "localhost")
 
@@ -165,19 +168,38 @@ def main() -> None:
     p.add_argument("--model", default="dense")
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
     p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")
+    p.add_argument("--config", type=Path, help="Serve this config (`serve run`, its own local Ray) for the drill; "
+                   "its engine_replica.autoscaling.initial_replicas replicas must start.")
     opts = p.parse_args()
     import ray
 
-    ray.init(address="auto", log_to_driver=False)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    serve_process = None
+    if opts.config:
+        from loadtest.serve_process import ServeProcess
+
+        args = yaml.safe_load(opts.config.read_text())["applications"][0]["args"]
+        serve_process = ServeProcess(opts.config, Path(tempfile.mkdtemp()) / "serve.log", opts.base_url,
+                                     opts.api_key, cwd=opts.config.resolve().parent)
+        serve_process.start()
+        replicas = args["engine_replica"]["autoscaling"].get("initial_replicas") or 1
+        print(f"served in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s")
 
     async def run() -> KillReport:
         async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:
-            return await kill_drill(client, opts.model, opts.users, opts.max_tokens, timeout_s=opts.timeout)
+            return await kill_drill(client, opts.model, opts.users, opts.max_tokens, load_s=opts.load_s,
+                                    timeout_s=opts.timeout)
 
-    report = asyncio.run(run())
-    print(json.dumps({**asdict(report), "requests": report.requests, "failed": report.failed}, indent=1))
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        report = asyncio.run(run())
+        print(json.dumps({**asdict(report), "requests": report.requests, "failed": report.failed}, indent=1))
+    finally:
+        ray.shutdown()
+        if serve_process is not None:
+            serve_process.stop()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""What counts as a replica death (retried by the ingress) and how the fault drill reads a stream's ending."""
+
+from __future__ import annotations
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+from deployments.ingress import replica_died
+from loadtest.faults import stream_ending
+
+
+def test_replica_death_is_an_actor_error_however_wrapped():
+    assert replica_died(ActorDiedError()) and replica_died(ActorUnavailableError("gone", None))
+    wrapped = RayTaskError("completions", "traceback", ActorDiedError())
+    assert replica_died(wrapped)
+    assert not replica_died(RayTaskError("completions", "traceback", ValueError("bad request")))
+    assert not replica_died(RuntimeError("engine fault"))
+
+
+def test_stream_endings():
+    chunk = 'data: {"object": "text_completion"}\n\n'
+    assert stream_ending(chunk * 3 + "data: [DONE]\n\n") == "done"
+    assert stream_ending(chunk + 'data: {"error": {"code": 500}}\n\ndata: [DONE]\n\n') == "error"
+    assert stream_ending(chunk * 2) == "cut"
+    assert stream_ending("") == "cut"
