@@ -1,0 +1,85 @@
+"""The fuzzer's own pieces (``loadtest.fuzz``): every drawn body is bounded in engine work, valid bodies carry the
+model and the required field, and answers are judged as the property says."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loadtest.fuzz import (
+    REFUSED_MAX_TOKENS,
+    bound_work,
+    cases,
+    chat_bodies,
+    classify,
+    completion_bodies,
+    openai_error,
+    token_work,
+)
+
+CAP = 8
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases("tiny", CAP))
+def test_every_case_is_bounded_json_or_raw(case):
+    assert case.path in ("/v1/completions", "/v1/chat/completions")
+    assert len(case.content) < 1 << 20  # under the body limit: the parser, not the 413, meets the deep nesting
+    if case.label in ("completion", "chat"):
+        body = json.loads(case.content)
+        assert isinstance(body, dict) and token_work(body, CAP, chat=case.label == "chat"), body
+
+
+@settings(max_examples=200, deadline=None)
+@given(completion_bodies("tiny", CAP, valid=True), chat_bodies("tiny", CAP, valid=True))
+def test_valid_bodies_name_the_model_and_a_small_count(completion, chat):
+    assert completion["model"] == chat["model"] == "tiny"
+    assert completion["prompt"] and chat["messages"]
+    assert all(m["role"] in ("user", "system", "assistant") for m in chat["messages"])
+    assert completion.get("max_tokens", 16) <= 16 and 1 <= completion.get("max_tokens", 1)
+    tokens = [chat[k] for k in ("max_tokens", "max_completion_tokens") if k in chat]
+    assert tokens and all(1 <= t <= CAP for t in tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["messages", "max_tokens", "max_completion_tokens", "n"]),
+                       st.one_of(st.none(), st.integers(-10, 10**6), st.text(max_size=3))))
+def test_bound_work_leaves_no_chat_body_unbounded(body):
+    bounded = bound_work(body, CAP, chat=True)
+    assert any(bounded.get(k) is not None for k in ("max_tokens", "max_completion_tokens"))
+    assert bounded in (body, {**body, "max_completion_tokens": CAP})  # only added, never changed
+
+
+def test_token_work():
+    assert token_work({"max_tokens": CAP}, CAP, chat=False)
+    assert token_work({}, CAP, chat=False)  # vLLM's completion default: 16
+    assert not token_work({}, CAP, chat=True)  # chat default: up to the context length
+    assert not token_work({"max_tokens": 100}, CAP, chat=False)  # served, too long for a fuzz case
+    for refused in (0, -1, REFUSED_MAX_TOKENS + 1, 1.5, "8", True, []):
+        assert token_work({"max_tokens": refused}, CAP, chat=True)
+    assert not token_work({"max_tokens": None, "max_completion_tokens": None}, CAP, chat=True)
+
+
+def test_openai_error_bodies():
+    good = json.dumps({"error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}})
+    assert openai_error(400, good.encode()) is None
+    assert openai_error(404, good.encode()) == "code 400 != status 404"
+    assert openai_error(400, b"Internal Server Error") == "not JSON"
+    assert openai_error(400, b'{"detail": "x"}') == "no 'error' object"
+    assert openai_error(400, b'{"error": {"message": "", "type": "x", "code": 400}}') == "no message"
+
+
+def test_classify():
+    assert classify(500, "text/plain", b"Internal Server Error")[0] == "5xx"
+    assert classify(503, "application/json", b"{}")[1] is not None
+    assert classify(200, "application/json", b'{"choices": []}') == ("completion", None)
+    assert classify(200, "application/json", b'{"id": 1}')[1] is not None
+    sse = 'data: {"choices": []}\n\ndata: [DONE]\n\n'
+    assert classify(200, "text/event-stream; charset=utf-8", sse.encode()) == ("stream", None)
+    assert classify(200, "text/event-stream", b'data: {"choices": []}\n\n')[1] == "stream without [DONE]"
+    bad = 'data: {"error": {"code": 400, "message": "x"}}\n\ndata: [DONE]\n\n'
+    assert classify(200, "text/event-stream", bad.encode()) == ("stream-error", None)
+    fault = 'data: {"error": {"code": 500, "message": "x"}}\n\ndata: [DONE]\n\n'
+    assert classify(200, "text/event-stream", fault.encode())[1] is not None
