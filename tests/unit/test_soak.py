@@ -1,0 +1,69 @@
+"""The soak's pure pieces (``loadtest.soak``): percentiles per minute, RSS growth after the warm-up, and the
+started / finished accounting of its log."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from loadtest.soak import LogCounts, LogReader, per_minute, percentile, rss_growth
+
+
+def test_percentile_nearest_rank():
+    assert percentile([], 99) is None
+    assert percentile([5.0], 99) == 5.0
+    values = list(range(1, 101))
+    assert percentile(values, 99) == 99 and percentile(values, 50) == 50 and percentile(values, 100) == 100
+    assert percentile([3, 1, 2], 50) == 2
+
+
+@given(st.lists(st.floats(0, 1e6), min_size=1, max_size=200), st.floats(0, 100))
+def test_percentile_is_a_sample_bounded_by_the_extremes(values, q):
+    p = percentile(values, q)
+    assert p in values and min(values) <= p <= max(values)
+    assert sum(v <= p for v in values) >= q / 100 * len(values)
+
+
+def test_per_minute_groups_by_minute_since_start():
+    t0 = 1000.0
+    samples = [(t0 - 5, 1e9)]  # before the start: dropped
+    samples += [(t0 + i, float(i)) for i in range(60)]        # minute 1: 0..59
+    samples += [(t0 + 180 + i, 1000.0) for i in range(10)]   # minute 4; minutes 2 and 3 empty
+    rows = per_minute(samples, t0)
+    assert [r["minute"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0] == {"minute": 1, "n": 60, "p50": 29.0, "p99": 59.0}
+    assert rows[1] == {"minute": 2, "n": 0, "p50": None, "p99": None}
+    assert rows[3]["n"] == 10 and rows[3]["p99"] == 1000.0
+    assert per_minute([], t0) == []
+
+
+def test_rss_growth_from_the_first_sample_after_warmup():
+    mib = 2**20
+    samples = {
+        11: [(0.0, 100 * mib), (50.0, 180 * mib), (60.0, 200 * mib), (120.0, 205 * mib), (600.0, 210 * mib)],
+        12: [(300.0, 100 * mib), (600.0, 103 * mib)],   # started during the soak: baseline = its first sample
+        13: [(0.0, 100 * mib), (30.0, 100 * mib)],      # gone before the warm-up ended
+    }
+    rows = {g.pid: g for g in rss_growth(samples, {11: "a"}, warmup_end=60.0)}
+    assert rows[11].baseline == 200 * mib and rows[11].end == 210 * mib and rows[11].growth_pct == 5.0
+    assert rows[11].peak == 210 * mib and rows[11].to_dict()["baseline_mib"] == 200.0
+    assert rows[12].growth_pct == 3.0
+    assert rows[13].baseline is None and rows[13].growth_pct is None and rows[13].to_dict()["end_mib"] is None
+
+
+def test_log_counts_started_finished_cut(tmp_path):
+    log = tmp_path / "soak.jsonl"
+    records = [["start", 1.0], ["start", 1.5], ["TTFT", 2.0, 120.0], ["ITL", 2.1, 30.0], ["end", 3.0, "ok"],
+               ["start", 4.0], ["fail", 4.5, "POST /v1/completions: 500"], ["end", 4.6, "failed"], ["cut", 9.0]]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    log.write_text(text[:-10])  # a line still being written is not read yet
+    reader = LogReader(log)
+    partial = reader.poll()
+    assert partial.started == 3 and partial.cut == 0
+    log.write_text(text)
+    c = reader.poll()
+    assert (c.started, c.ok, c.failed, c.cut, c.finished, c.in_flight) == (3, 1, 1, 1, 2, 0)
+    assert c.failures == {"POST /v1/completions: 500": 1} and c.ttft == [(2.0, 120.0)] and c.first_start == 1.0
+    assert LogReader(tmp_path / "missing.jsonl").poll() == LogCounts()
