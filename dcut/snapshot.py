@@ -39,6 +39,19 @@ class WindowSummary(_Record):
     mean_draft_ms: float | None = None
 
 
+class Totals(_Record):
+    """`dcut.telemetry.StepTotals`: counts over every step since start (or the last reset). Two readings give
+    the mean accepted length and keep ratio of what ran between them (``loadtest``: one load point)."""
+
+    steps: int = 0
+    request_steps: int = 0
+    proposed: int = 0
+    kept: int = 0
+    accepted: int = 0
+    keep_ratio_sum: float = 0.0
+    keep_ratio_steps: int = 0
+
+
 class Overhead(_Record):
     """`dcut.cost_table.EngineOverhead`: the engine's time outside the model, ``a + b x tokens``."""
 
@@ -53,6 +66,7 @@ class DCutSnapshot(_Record):
     cost_path: str | None = Field(None, description="The table's file when given or from the cache.")
     steps: int = Field(description="Steps recorded since start (or the last reset).")
     window: WindowSummary
+    totals: Totals = Field(default_factory=Totals)
     selection_us_median: float | None = None
     estimates: list[ThroughputEstimate] = Field(default_factory=list)
     overhead: Overhead

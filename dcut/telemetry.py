@@ -43,14 +43,40 @@ class StepRecord:
     timestamp: float = field(default_factory=time.time)
 
 
+@dataclass
+class StepTotals:
+    """Counts over every step since start (or the last reset), not only the window: a reader that takes
+    two readings can tell what happened between them (a load-test point), whatever the window holds."""
+
+    steps: int = 0
+    request_steps: int = 0  # sum of batch sizes
+    proposed: int = 0
+    kept: int = 0
+    accepted: int = 0  # drafts accepted, bonus tokens not included
+    keep_ratio_sum: float = 0.0  # sum of kept / proposed over steps that proposed anything
+    keep_ratio_steps: int = 0
+
+    def add(self, record: StepRecord) -> None:
+        self.steps += 1
+        self.request_steps += record.batch_size
+        self.proposed += record.proposed
+        self.kept += record.kept
+        self.accepted += record.accepted
+        if record.proposed > 0:
+            self.keep_ratio_sum += record.kept / record.proposed
+            self.keep_ratio_steps += 1
+
+
 class StepWindow:
-    """The last ``maxlen`` steps and their summaries."""
+    """The last ``maxlen`` steps and their summaries, and the totals of every step added."""
 
     def __init__(self, maxlen: int = 512) -> None:
         self.records: deque[StepRecord] = deque(maxlen=maxlen)
+        self.totals = StepTotals()
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
+        self.totals.add(record)
 
     def __len__(self) -> int:
         return len(self.records)

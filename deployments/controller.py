@@ -112,6 +112,7 @@ class DCutController:
                                "curve": w and w.acceptance_curve},
                 "mean_step_ms": w and w.mean_step_ms,
                 "steps": snap and snap.steps,
+                "totals": snap and snap.totals.model_dump(),  # since start: loadtest diffs two readings
                 "fallback_steps": w and w.fallback_steps,
                 "selection_us_median": snap and snap.selection_us_median,
                 "estimates": [asdict(e) for e in snap.estimates] if snap else [],

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
-from dcut.snapshot import CostSource, DCutSnapshot, Overhead, WindowSummary
+from dcut.snapshot import CostSource, DCutSnapshot, Overhead, Totals, WindowSummary
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
 from dcut.width import (
@@ -377,6 +377,7 @@ class RunnerDCut:
         return DCutSnapshot(
             settings=self.settings, fingerprint=self.fingerprint, cost_source=self.cost_source,
             cost_path=self.cost_path, steps=self.steps, window=WindowSummary(**self.window.summary()),
+            totals=Totals(**asdict(self.window.totals)),
             selection_us_median=statistics.median(sel) if sel else None, estimates=self.estimates(),
             overhead=Overhead(per_step_ms=self.overhead.per_step_ms, per_token_ms=self.overhead.per_token_ms),
             cost_table=None if self.cost_table is None else self.cost_table.to_json(),

@@ -44,6 +44,21 @@ def test_window_summaries() -> None:
     assert summary["steps"] == 2 and summary["batch_size_histogram"] == {"2": 1, "4": 1}
 
 
+def test_totals_outlive_the_window() -> None:
+    """The window keeps the last steps; the totals count every step, so two readings give what ran between."""
+    w = StepWindow(maxlen=2)
+    w.add(record(4, 40, 20, [4, 2], [4, 4]))
+    first = (w.totals.steps, w.totals.accepted, w.totals.request_steps)
+    w.add(record(2, 20, 20, [1, 0], [2, 2]))
+    w.add(record(2, 0, 0, [], []))  # proposed nothing: no keep ratio
+    assert len(w) == 2 and first == (1, 6, 4)
+    t = w.totals
+    assert (t.steps, t.request_steps, t.proposed, t.kept, t.accepted) == (3, 8, 60, 40, 7)
+    assert t.keep_ratio_steps == 2 and t.keep_ratio_sum == pytest.approx(0.5 + 1.0)
+    # between the first reading and now: 1 accepted draft over 4 request-steps
+    assert (t.accepted - first[1]) / (t.request_steps - first[2]) == pytest.approx(0.25)
+
+
 def test_acceptance_curve_is_non_increasing_and_zero_where_unseen() -> None:
     w = StepWindow()
     w.add(record(4, 12, 8, [2, 2, 0], [4, 2, 0]))
