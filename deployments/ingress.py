@@ -110,6 +110,8 @@ class Ingress:
             body = json.loads(raw)
         except ValueError as e:
             return error_response(f"Malformed JSON body: {e}", 400, "BadRequestError")
+        except RecursionError:  # nested deeper than the parser recurses (a 500 before; found by loadtest.fuzz)
+            return error_response("The JSON body is nested too deeply.", 400, "BadRequestError", param="body")
         if not isinstance(body, dict):
             return error_response("The JSON body must be an object.", 400, "BadRequestError")
         if (over := limits.violation(body, self.settings.limits)) is not None:

@@ -36,8 +36,23 @@ def _count(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def nesting_depth(value: Any, stop: int) -> int:
+    """Nesting depth of a parsed JSON value (a scalar: 0, ``[]``: 1, ``{"a": [1]}``: 2), counted level by level
+    without recursion, and only up to ``stop + 1``."""
+    depth, level = 0, [value]
+    while depth <= stop:
+        level = [v for v in level if isinstance(v, list | dict)]
+        if not level:
+            break
+        depth += 1
+        level = [item for v in level for item in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
 def violation(body: dict, limits: RequestLimits) -> tuple[str, str] | None:
     """``(param, message)`` of the first limit ``body`` exceeds, else None."""
+    if nesting_depth(body, limits.max_depth) > limits.max_depth:
+        return "body", f"The JSON body is nested more than {limits.max_depth} levels deep."
     for param, ceiling in (("n", limits.max_n), ("best_of", limits.max_n), ("max_tokens", limits.max_tokens),
                            ("max_completion_tokens", limits.max_tokens)):
         value = _count(body.get(param))

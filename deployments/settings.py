@@ -117,6 +117,8 @@ class RequestLimits(_Strict):
     max_n: int = Field(16, ge=1, description="Ceiling on `n` and `best_of` (choices per request).")
     max_stop: int = Field(16, ge=0, description="Ceiling on the number of stop strings and of stop token ids.")
     max_tokens: int = Field(4096, ge=1, description="Ceiling on `max_tokens` / `max_completion_tokens`.")
+    max_depth: int = Field(64, ge=2, description="Ceiling on the JSON body's nesting depth (the body object: 1). "
+                           "Deeper bodies would reach Python's recursion limit when parsed, validated or pickled.")
 
 
 class IngressSettings(_Strict):

@@ -217,8 +217,17 @@ raw_bodies = st.one_of(
                      b'{"temperature": Infinity, "prompt": "x", "max_tokens": 2}']),
     st.integers(1000, 200_000).map(lambda depth: b"[" * depth),
     st.integers(1000, 100_000).map(lambda depth: b'{"a":' * depth),
+    st.integers(30, 5000).map(lambda depth: b"[" * depth + b"]" * depth),
     st.binary(max_size=64),
 )
+
+
+def deeply_nested(model: str) -> st.SearchStrategy:
+    """A valid completion body carrying a field nested ``depth`` deep: parseable, but deeper than a request needs
+    (and, from ~1000, deeper than Python's JSON parser or pickle recurse)."""
+    return st.builds(lambda depth, key: json.dumps({"model": model, "prompt": "x", "max_tokens": 1}).encode()[:-1]
+                     + f', "{key}": '.encode() + b"[" * depth + b"]" * depth + b"}",
+                     st.integers(30, 3000), st.sampled_from(["user", "logit_bias", "stop", "extra"]))
 
 
 def cases(model: str, cap: int = 8) -> st.SearchStrategy:
@@ -230,6 +239,7 @@ def cases(model: str, cap: int = 8) -> st.SearchStrategy:
         chat_bodies(model, cap).map(lambda b: Case("/v1/chat/completions", _dumps(b), label="chat")),
         chat_bodies(model, cap).map(lambda b: Case("/v1/chat/completions", _dumps(b), label="chat")),
         st.builds(lambda p, v: Case(p, _dumps(v), label="junk"), route, junk),
+        deeply_nested(model).map(lambda raw: Case("/v1/completions", raw, label="raw")),
         st.builds(lambda p, raw, ct: Case(p, raw, ct, label="raw"), route, raw_bodies,
                   st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"])),
     )

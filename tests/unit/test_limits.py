@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deployments.limits import BodyTooLarge, read_body, violation
+from deployments.limits import BodyTooLarge, nesting_depth, read_body, violation
 from deployments.settings import RequestLimits
 
 LIMITS = RequestLimits(max_body_bytes=100, max_n=4, max_stop=2, max_tokens=64)
@@ -68,3 +68,22 @@ def test_each_ceiling_names_its_parameter(body, param):
 ])
 def test_within_limits_or_not_a_count_passes(body):
     assert violation(body, LIMITS) is None
+
+
+def _nested(depth: int):
+    value: object = 0
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+@given(st.integers(0, 3000), st.integers(2, 100))
+def test_nesting_depth_counts_levels_up_to_one_past_the_limit(depth, stop):
+    assert nesting_depth(_nested(depth), stop) == min(depth, stop + 1)
+
+
+def test_a_body_nested_too_deeply_is_refused():
+    limits = RequestLimits(max_depth=8)
+    assert violation({"prompt": "x", "user": _nested(7)}, limits) is None  # the body object is level 1
+    assert violation({"prompt": "x", "user": _nested(8)}, limits)[0] == "body"
+    assert violation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, limits) is None
