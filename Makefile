@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test test-unit serve lint sweep loadtest
+.PHONY: setup test test-unit serve lint sweep loadtest loadtest-quick
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -44,7 +44,10 @@ serve: $(STAMP)
 sweep: $(STAMP)
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/sweep
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/sweep-moe
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair deep --out docs/sweep-deep
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 64 --repeats 2 --pair deep --out docs/sweep-deep
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest.run --out docs/loadtest
+
+loadtest-quick: $(STAMP)
+	$(PY) -m loadtest.run --out docs/loadtest --quick

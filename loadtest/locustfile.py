@@ -19,6 +19,20 @@ whole stream, content size = output tokens) the user adds these Locust entries (
 A non-200 answer, an ``{"error": ...}`` chunk, a chunk that is not JSON, or a stream that ends
 without ``data: [DONE]`` fails the request with the server's (OpenAI-style) error message.
 
+Two ways to load the server:
+
+- closed loop (``OpenAIStreamUser``, the default): ``-u N`` users, each sending its next request when the
+  previous one ends (``--think-time`` between them);
+- open loop (``PoissonArrivals``, chosen by ``--request-rate R`` > 0, with ``-u 1``): requests arrive as a
+  Poisson process of R per second, whatever the server does — exponential gaps drawn from ``--seed``, each
+  request streamed in its own greenlet. Beyond ``--max-in-flight`` open requests an arrival is not sent and
+  is recorded as a failure (``DROPPED``): the server is past saturation.
+
+``--requests-log PATH`` writes one JSON line per request (when it started, its status ``ok``/``failed``/``cut``
+— cut: still streaming when the run stopped —, every token chunk's arrival and size) and one per test event
+(``test_start``, ``spawning_complete``, ``test_stop``): ``loadtest.metrics`` computes exact percentiles and
+goodput from it.
+
 Settings: custom Locust arguments, each with an environment variable (see ``--help``).
 """
 
@@ -30,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gevent
+from gevent.pool import Group
 from locust import FastHttpUser, events, task
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "heldout_prompts.jsonl"
@@ -58,6 +74,52 @@ def _arguments(parser):
     parser.add_argument("--request-timeout", env_var="LOADTEST_REQUEST_TIMEOUT", type=float, default=600.0,
                         help="Seconds without data before a request fails.")
     parser.add_argument("--seed", env_var="LOADTEST_SEED", type=int, default=0)
+    parser.add_argument("--request-rate", env_var="LOADTEST_REQUEST_RATE", type=float, default=0.0,
+                        help="> 0: open loop, Poisson arrivals at this many requests/s (run with -u 1).")
+    parser.add_argument("--max-in-flight", env_var="LOADTEST_MAX_IN_FLIGHT", type=int, default=1024,
+                        help="Open loop: arrivals beyond this many open requests are dropped (and fail).")
+    parser.add_argument("--requests-log", env_var="LOADTEST_REQUESTS_LOG", default="",
+                        help="JSON lines: one per request (timings of every token chunk) and per test event.")
+
+
+class RequestsLog:
+    """The ``--requests-log`` file: appended line by line (greenlets of one process, so no interleaving)."""
+
+    file = None
+
+    @classmethod
+    def open(cls, path: str) -> None:
+        if path and cls.file is None:
+            cls.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed at quit
+
+    @classmethod
+    def write(cls, record: dict) -> None:
+        if cls.file is not None:
+            cls.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+@events.init.add_listener
+def _init(environment, **_kwargs):
+    """Open the requests log; keep the user class of the chosen loop (closed: OpenAIStreamUser, open:
+    PoissonArrivals), so a plain ``locust -f loadtest/locustfile.py`` runs as it always did."""
+    opts = environment.parsed_options
+    if opts is None:
+        return
+    RequestsLog.open(opts.requests_log)
+    wanted = PoissonArrivals if opts.request_rate > 0 else OpenAIStreamUser
+    if environment.user_classes and wanted in environment.user_classes:
+        environment.user_classes[:] = [wanted]
+
+
+def _event(name: str):
+    def listener(**_kwargs):
+        RequestsLog.write({"event": name, "t": time.time()})
+    return listener
+
+
+events.test_start.add_listener(_event("test_start"))
+events.spawning_complete.add_listener(_event("spawning_complete"))
+events.test_stop.add_listener(_event("test_stop"))
 
 
 def parse_range(text: str, cast=int) -> tuple:
@@ -96,6 +158,7 @@ class StreamTimings:
     """What one streamed answer delivered, and when (perf_counter seconds)."""
 
     start: float
+    wall_start: float = field(default_factory=time.time)
     token_times: list[float] = field(default_factory=list)   # arrival of each chunk that carried tokens
     token_counts: list[int] = field(default_factory=list)    # tokens in that chunk
     prompt_tokens: int = 0
@@ -113,6 +176,14 @@ class StreamTimings:
         if self.output_tokens < 2:
             return None
         return (self.token_times[-1] - self.token_times[0]) * 1000 / (self.output_tokens - 1)
+
+    def record(self, status: str, path: str, max_tokens: int, error: str | None = None) -> dict:
+        """The requests-log line: times in seconds after ``start`` (wall clock: ``start``)."""
+        end = self.end or time.perf_counter()
+        return {"start": self.wall_start, "path": path, "max_tokens": max_tokens, "status": status,
+                "error": error, "prompt_tokens": self.prompt_tokens, "end": round(end - self.start, 6),
+                "chunks": [[round(t - self.start, 6), n] for t, n in zip(self.token_times, self.token_counts,
+                                                                          strict=True)]}
 
 
 class SSEParser:
@@ -237,13 +308,28 @@ class OpenAIStreamUser(FastHttpUser):
 
     @task
     def stream_completion(self) -> None:
-        path, body = self.request_body()
+        self.send(*self.request_body())
+
+    def send(self, path: str, body: dict) -> None:
+        """Stream one request; its requests-log line is written however it ends (``cut``: killed mid-way
+        when the run stopped)."""
         timings = StreamTimings(start=time.perf_counter())
+        outcome = {"status": "cut", "error": None}
+        try:
+            self._stream(path, body, timings, outcome)
+        finally:
+            RequestsLog.write(timings.record(outcome["status"], path, body["max_tokens"], outcome["error"]))
+
+    def _stream(self, path: str, body: dict, timings: StreamTimings, outcome: dict) -> None:
+        def fail(resp, message: str) -> None:
+            resp.failure(message)
+            outcome.update(status="failed", error=message)
+
         with self.client.post(path, json=body, headers={**self.headers, "Accept": "text/event-stream"},
                               name=path, stream=True, catch_response=True) as resp:
             if resp.status_code != 200:
-                resp.failure(error_message(resp.status_code, _safe_content(resp)) if resp.status_code
-                             else f"connection error: {getattr(resp, 'error', None)!r}")
+                fail(resp, error_message(resp.status_code, _safe_content(resp)) if resp.status_code
+                     else f"connection error: {getattr(resp, 'error', None)!r}")
                 return
             parser = SSEParser(timings)
             # Line by line: geventhttpclient's read(n) (and so iter_content) waits for n bytes, which
@@ -258,15 +344,16 @@ class OpenAIStreamUser(FastHttpUser):
                 if not timings.token_times:
                     raise StreamError("stream delivered no tokens")
             except StreamError as e:
-                resp.failure(str(e))
+                fail(resp, str(e))
                 return
             except Exception as e:  # noqa: BLE001 - a timeout or a broken connection mid-stream
-                resp.failure(f"stream broken after {timings.output_tokens} tokens: {type(e).__name__}: {e}")
+                fail(resp, f"stream broken after {timings.output_tokens} tokens: {type(e).__name__}: {e}")
                 return
             finally:
                 resp.request_meta["response_time"] = (time.perf_counter() - timings.start) * 1000
                 resp.request_meta["response_length"] = timings.output_tokens
             resp.success()
+            outcome["status"] = "ok"
         self._report(timings)
 
     def _report_tokens(self, t: StreamTimings, reported: int) -> int:
@@ -288,6 +375,50 @@ class OpenAIStreamUser(FastHttpUser):
         self.environment.events.request.fire(request_type=SSE_TYPE, name=name, response_time=value,
                                              response_length=tokens, exception=None, context={},
                                              response=None, url=None)
+
+
+class PoissonArrivals(OpenAIStreamUser):
+    """Open loop: one user that sends requests at Poisson arrival times (``--request-rate`` per second), each
+    in its own greenlet, never waiting for answers. Arrival gaps come from their own seeded generator, so every
+    arm of a comparison sees the same arrival times and the same requests."""
+
+    fixed_count = 1
+
+    def __init__(self, environment):
+        opts = environment.parsed_options
+        if opts is not None:  # the connection pool must hold every open request
+            self.concurrency = max(opts.max_in_flight, 1)
+        super().__init__(environment)
+        self.rng = random.Random(f"{opts.seed}-open")
+        self.arrival_rng = random.Random(f"{opts.seed}-arrivals")
+        self.in_flight = Group()
+
+    def wait_time(self) -> float:
+        return 0.0
+
+    @task
+    def stream_completion(self) -> None:
+        rate = self.opts.request_rate
+        if rate <= 0:
+            raise ValueError("PoissonArrivals needs --request-rate > 0")
+        due = time.perf_counter()
+        while True:
+            due += self.arrival_rng.expovariate(rate)
+            path, body = self.request_body()
+            gevent.sleep(max(0.0, due - time.perf_counter()))
+            if len(self.in_flight) >= self.opts.max_in_flight:
+                self.environment.events.request.fire(
+                    request_type="POST", name=path, response_time=0, response_length=0, context={},
+                    exception=RuntimeError(f"DROPPED: {len(self.in_flight)} requests in flight (--max-in-flight)"),
+                    response=None, url=None)
+                RequestsLog.write({**StreamTimings(start=time.perf_counter()).record("dropped", path,
+                                                                                   body["max_tokens"]),
+                                   "error": "max in flight"})
+                continue
+            self.in_flight.spawn(self.send, path, body)
+
+    def on_stop(self) -> None:
+        self.in_flight.kill(block=True, timeout=5)  # their log lines are written as they die (status cut)
 
 
 def _safe_content(resp) -> bytes | None:

@@ -1,4 +1,4 @@
-"""Locust CSV output -> one record per (D-Cut mode, users) -> comparison table, JSON and plots.
+"""Locust's CSV output -> one summary per run (the runner's progress lines), and portable paths for reports.
 
 A run's numbers come from Locust's ``<prefix>_stats.csv`` (and ``<prefix>_failures.csv``), written
 by ``locust --csv <prefix>`` with the entries of ``loadtest/locustfile.py``:
@@ -18,7 +18,6 @@ approximate to that degree.
 from __future__ import annotations
 
 import csv
-import json
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -124,52 +123,6 @@ def _window(stats: dict) -> float | None:
     return None
 
 
-# ---- the comparison table -------------------------------------------------------------------------
-
-COLUMNS = [  # (header, attribute, format)
-    ("D-Cut", "mode", "{}"),
-    ("users", "users", "{}"),
-    ("requests", "requests", "{}"),
-    ("failed", "failures", "{}"),
-    ("req/s", "requests_per_s", "{:.2f}"),
-    ("output tok/s", "output_tokens_per_s", "{:.1f}"),
-    ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
-    ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
-    ("ITL p50 (ms)", "itl_p50_ms", "{:.0f}"),
-    ("ITL p99 (ms)", "itl_p99_ms", "{:.0f}"),
-    ("TPOT p50 (ms)", "tpot_p50_ms", "{:.0f}"),
-    ("tok/s per request p50", "request_tokens_per_s_p50", "{:.0f}"),
-]
-
-
-def markdown_table(results: list[RunResult]) -> str:
-    lines = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
-             "|" + "|".join("---" if a == "mode" else "---:" for _, a, _ in COLUMNS) + "|"]
-    for r in sorted(results, key=lambda r: (r.users, r.mode != "dcut")):
-        cells = []
-        for _, attr, fmt in COLUMNS:
-            value = getattr(r, attr)
-            cells.append("–" if value is None else fmt.format(value))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def ratio_lines(results: list[RunResult]) -> list[str]:
-    """D-Cut / full-width output tokens/s and TTFT p99 at each number of users where both ran."""
-    by = {(r.mode, r.users): r for r in results}
-    lines = []
-    for users in sorted({r.users for r in results}):
-        cut, full = by.get(("dcut", users)), by.get(("full", users))
-        if not cut or not full or not full.output_tokens_per_s:
-            continue
-        gain = cut.output_tokens_per_s / full.output_tokens_per_s
-        text = f"- {users} users: output tokens/s D-Cut/full = {gain:.2f}x"
-        if cut.ttft_p99_ms and full.ttft_p99_ms:
-            text += f", TTFT p99 D-Cut/full = {cut.ttft_p99_ms / full.ttft_p99_ms:.2f}x"
-        lines.append(text)
-    return lines
-
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -186,51 +139,3 @@ def portable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: portable(v) for k, v in value.items()}
     return value
-
-
-def write_report(out: Path, results: list[RunResult], meta: dict) -> None:
-    """``results.json``, ``results.md`` and the PNG plots under ``out``, with portable paths."""
-    out.mkdir(parents=True, exist_ok=True)
-    meta = portable(meta)
-    (out / "results.json").write_text(json.dumps({**meta, "runs": [r.to_json() for r in results]}, indent=1) + "\n")
-    plots = write_plots(out, results)
-    md = ["# Load test: D-Cut ON vs OFF", ""]
-    md += meta.get("notes_md", [])
-    md += ["", markdown_table(results), ""]
-    md += ratio_lines(results)
-    failures = [(r, e) for r in results for e in r.errors]
-    failures += [(r, {"occurrences": r.user_errors, "name": "Locust user", "error": "exceptions (see the run's log)"})
-                 for r in results if r.user_errors]
-    if failures:
-        md += ["", "## Failures", ""]
-        md += [f"- {r.mode}, {r.users} users: {e['occurrences']} x {e['name']}: {e['error']}" for r, e in failures]
-    md += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
-    md += ["", "## Setup", "", "```json", json.dumps(meta.get("setup", {}), indent=1), "```", ""]
-    (out / "results.md").write_text("\n".join(md))
-
-
-def write_plots(out: Path, results: list[RunResult]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for attr, label, name in (("output_tokens_per_s", "output tokens/s", "tokens_per_s.png"),
-                              ("ttft_p99_ms", "TTFT p99 (ms)", "ttft_p99.png")):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for mode, style in (("dcut", "o-"), ("full", "s--")):
-            rows = sorted((r for r in results if r.mode == mode and getattr(r, attr) is not None),
-                          key=lambda r: r.users)
-            if rows:
-                ax.plot([r.users for r in rows], [getattr(r, attr) for r in rows], style, label=mode)
-        ax.set_xlabel("concurrent users")
-        ax.set_ylabel(label)
-        ax.set_xticks(sorted({r.users for r in results}))
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=100)
-        plt.close(fig)
-        paths.append(out / name)
-    return paths

@@ -1,0 +1,104 @@
+"""The arms of the load test: one app config, four ways of decoding — the mode names of ``dcut sweep``.
+
+- ``none``: plain decoding, no drafter (``engine.method: none``);
+- ``full``: every draft verified (``engine.dcut.mode: full``: D-Cut cuts nothing, only counts);
+- ``dynamic``: vLLM's own dynamic speculation, K per batch size (``engine.spec_schedule``), every draft
+  of it verified (``engine.dcut.mode: full``, as ``dcut sweep``'s ``dynamic``); the schedule is the best
+  fixed K per batch size measured by a committed sweep (``dynamic_fixed_k`` of ``docs/sweep/sweep.json``,
+  through ``dcut.bench.sweep.best_k_schedule``), or given with ``--spec-schedule``;
+- ``dcut``: the config as it is (D-Cut's default mode, ``joint``).
+
+Every arm keeps the config's engine seed, models and deployment settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dcut.commands.engine_args import parse_schedule  # the format of `dcut sweep --spec-schedule`
+
+ARMS = ("none", "full", "dynamic", "dcut")
+APP_IMPORT_PATH = "app.builder:build_app"
+
+Schedule = list[tuple[int, int, int]]
+
+
+def app_entry(config: dict) -> dict:
+    for app in config.get("applications", []):
+        if app.get("import_path") == APP_IMPORT_PATH:
+            return app
+    raise ValueError(f"no application with import_path {APP_IMPORT_PATH} in the config")
+
+
+def apply_override(args: dict, assignment: str) -> None:
+    """``key.path=value`` into the app's args; the value is a YAML scalar (16 -> int, true -> bool)."""
+    key, sep, value = assignment.partition("=")
+    if not sep:
+        raise ValueError(f"--set {assignment!r}: expected key.path=value")
+    *parents, leaf = key.strip().split(".")
+    node = args
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = yaml.safe_load(value)
+
+
+def arm_args(args: dict, arm: str, schedule: Schedule | None = None) -> dict:
+    """The app's ``args`` for one arm (a copy)."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    args = copy.deepcopy(args)
+    engine = args.setdefault("engine", {})
+    if arm == "none":
+        engine["method"] = "none"  # AppConfig drops the drafter and D-Cut
+    elif arm == "full":
+        engine.setdefault("dcut", {})["mode"] = "full"
+    elif arm == "dynamic":
+        if not schedule:
+            raise ValueError("arm dynamic needs a K schedule (--spec-schedule or a sweep's dynamic_fixed_k)")
+        engine["spec_schedule"] = [list(r) for r in schedule]
+        engine["num_speculative_tokens"] = max(k for _, _, k in schedule)
+        engine.setdefault("dcut", {})["mode"] = "full"
+    return args
+
+
+def arm_config(base: dict, arm: str, overrides: list[str], port: int | None,
+               schedule: Schedule | None = None) -> dict:
+    """The whole ``serve run`` config for one arm: overrides (every arm), the arm, the port."""
+    config = copy.deepcopy(base)
+    entry = app_entry(config)
+    args = entry.setdefault("args", {})
+    for assignment in overrides:
+        apply_override(args, assignment)
+    entry["args"] = arm_args(args, arm, schedule)
+    if port is not None:
+        config.setdefault("http_options", {})["port"] = port
+    return config
+
+
+def schedule_from_sweep(record: dict[str, Any]) -> Schedule:
+    """The best fixed K per batch size of a ``dcut sweep`` record (its ``dynamic_fixed_k``), as the sweep's
+    own ``dynamic`` mode builds it."""
+    from dcut.bench.sweep import best_k_schedule
+
+    by_k: dict[int, dict[int, float]] = {}
+    for row in record.get("dynamic_fixed_k") or []:
+        by_k.setdefault(row["k"], {})[row["bs"]] = row["tokens_per_s"]
+    if not by_k:
+        raise ValueError("the sweep has no dynamic_fixed_k rows (run `dcut sweep` with the dynamic mode)")
+    return [tuple(r) for r in best_k_schedule(by_k, sorted({bs for rows in by_k.values() for bs in rows}))]
+
+
+def load_schedule(spec_schedule: str | None, sweep_path: Path) -> tuple[Schedule, str]:
+    """The dynamic arm's schedule and where it came from (a sentence for the report)."""
+    if spec_schedule:
+        return parse_schedule(spec_schedule), "given with --spec-schedule"
+    record = json.loads(Path(sweep_path).read_text())
+    engine = record.get("engine", {})
+    source = (f"best fixed K per batch size in `dynamic_fixed_k` of `{sweep_path}` (target `{engine.get('model')}`,"
+              f" drafter `{engine.get('draft')}`, K={record.get('k')})")
+    return schedule_from_sweep(record), source
