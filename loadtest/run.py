@@ -137,37 +137,35 @@ def _progress(prefix: Path) -> str:
 
 # ---- the replicas' telemetry around a point --------------------------------------------------------
 
-def fresh_status(get_json: Callable[[str], dict | None], since: float, timeout_s: float,
-                 status_path: str = "/dcut/status") -> dict | None:
-    """``/dcut/status`` once every replica in it has reported after ``since`` (wall time), or the last reading
-    at ``timeout_s``."""
+def fresh_status(get_json: Callable[[str], dict | None], since: float, timeout_s: float) -> tuple[dict | None, bool]:
+    """``/dcut/status`` once every replica in it has reported after ``since`` (wall time), and True; or the
+    last reading at ``timeout_s``, and False."""
     deadline = time.monotonic() + timeout_s
     status = None
     while True:
-        status = get_json(status_path) or status
+        status = get_json("/dcut/status") or status
         replicas = (status or {}).get("replicas", [])
         if replicas and all(time.time() - r.get("age_s", 1e9) >= since for r in replicas):
-            return status
+            return status, True
         if time.monotonic() > deadline:
-            return status
+            return status, False
         time.sleep(0.25)
 
 
 def measure_point(arm: str, point: Point, repeat: int, target: Target, opts, work: Path,
-                  get_json: Callable[[str], dict | None], on_tick: Callable[[], None] = lambda: None,
-                  status_path: str = "/dcut/status") -> dict:
+                  get_json: Callable[[str], dict | None], on_tick: Callable[[], None] = lambda: None) -> dict:
     """One Locust run at one point, its figures, and the replicas' acceptance over it."""
     prefix = work / f"{arm}-{point.label}-r{repeat}"
-    before = fresh_status(get_json, time.time(), opts.status_timeout, status_path)
+    before, fresh_before = fresh_status(get_json, time.time(), opts.status_timeout)
     rc = run_locust(point, target, opts, prefix, on_tick)
-    after = fresh_status(get_json, time.time(), opts.status_timeout, status_path)
+    after, fresh_after = fresh_status(get_json, time.time(), opts.status_timeout)
     log_path = Path(f"{prefix}.requests.jsonl")
     if not log_path.exists():
         tail = Path(f"{prefix}.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"locust wrote no requests log (exit {rc}):\n{tail}")
     events, records = read_requests_log(log_path)
     figures = point_figures(records, measured_window(events, opts.ramp), opts.objectives)
-    telemetry = acceptance_between(before, after)
+    telemetry = {**acceptance_between(before, after), "fresh": fresh_before and fresh_after}
     figures.mean_accepted_length, figures.keep_ratio = telemetry["mean_accepted_length"], telemetry["keep_ratio"]
     errors: dict[str, int] = {}
     for r in records:
@@ -180,12 +178,12 @@ def measure_point(arm: str, point: Point, repeat: int, target: Target, opts, wor
 
 def measure_points(arm: str, points: list[Point], repeat: int, target: Target, opts, work: Path,
                    get_json: Callable[[str], dict | None], runs: list[dict], bar=None,
-                   on_tick: Callable[[], None] = lambda: None, status_path: str = "/dcut/status") -> None:
+                   on_tick: Callable[[], None] = lambda: None) -> None:
     """``points`` of one arm, one repeat; each run is appended to ``runs`` as soon as it is measured."""
     for point in points:
         log(f"{arm} {point.kind} {point.load:g} (repeat {repeat}/{opts.repeats}): "
             f"{opts.ramp:g} s ramp + {opts.duration:g} s")
-        run = measure_point(arm, point, repeat, target, opts, work, get_json, on_tick, status_path)
+        run = measure_point(arm, point, repeat, target, opts, work, get_json, on_tick)
         f = run["figures"]
         log(f"  {f['requests']} requests ({f['failures']} failed, {f['unfinished']} unfinished), "
             f"{f['output_tokens_per_s']:.1f} tok/s, goodput {f['goodput_requests_per_s']:.2f} req/s, "
@@ -202,13 +200,13 @@ def measure_points(arm: str, points: list[Point], repeat: int, target: Target, o
 
 def measure_arm(arm: str, users: list[Point], rates: Callable[[], list[float]], target: Target, opts, work: Path,
                 get_json: Callable[[str], dict | None], runs: list[dict], bar=None,
-                on_tick: Callable[[], None] = lambda: None, status_path: str = "/dcut/status") -> None:
+                on_tick: Callable[[], None] = lambda: None) -> None:
     """Every point of one arm, ``opts.repeats`` times (repeat outermost, so slow drift spreads over points):
     the users points, then the rates (``rates()`` is asked after them: it may be sized from them)."""
     for repeat in range(1, opts.repeats + 1):
-        measure_points(arm, users, repeat, target, opts, work, get_json, runs, bar, on_tick, status_path)
+        measure_points(arm, users, repeat, target, opts, work, get_json, runs, bar, on_tick)
         points = [Point("rate", r) for r in rates()]
-        measure_points(arm, points, repeat, target, opts, work, get_json, runs, bar, on_tick, status_path)
+        measure_points(arm, points, repeat, target, opts, work, get_json, runs, bar, on_tick)
 
 
 def _ms(v: float | None) -> str:

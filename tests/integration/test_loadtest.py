@@ -1,14 +1,15 @@
-"""The load test against a real Serve app, and the results table on real Locust CSV output.
+"""The load-test tooling against real Serve apps, real engines and real Locust.
 
-The app runs on the shared local Ray instance (tests/conftest.py) as its own application
-``loadtest`` under ``/loadtest`` (tests.tiny_models target + DFlash head, K=7, D-Cut auto, one
-engine replica, API key on); Locust runs headless in a subprocess for a few seconds with 3 users.
+The four arms of ``loadtest.arms`` run as four applications on the shared local Ray instance
+(tests/conftest.py), ``/lt-<arm>`` (tests.tiny_models target + DFlash head, K=7, one engine replica each,
+API key on); ``loadtest.run.measure_arm`` drives each with Locust for a few seconds at one concurrency
+and one request rate, and ``loadtest.report.write_report`` writes the report. (``loadtest.run.main`` adds
+only ``serve run`` of each arm's config, ``loadtest.serve_process``, around the same calls.)
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import os
 import subprocess
 import sys
@@ -18,20 +19,35 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.results import markdown_table, run_result, write_report
+from loadtest.arms import ARMS, arm_args
+from loadtest.metrics import LATENCIES, PERCENTILES
+from loadtest.results import run_result
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 PORT = int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))
-BASE = f"http://127.0.0.1:{PORT}/loadtest"
+ROOT = f"http://127.0.0.1:{PORT}"
+BASE = f"{ROOT}/lt-dcut"
 KEY = "loadtest-key"
 MODEL = "tiny-lt"
-COMMITTED_CSV = REPO / "docs" / "loadtest" / "csv"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+SCHEDULE = [(1, 1, 7), (2, 4096, 3)]  # the dynamic arm: K=7 alone, K=3 from 2 requests on
+
+
+def _get_json(base: str):
+    def get(path: str) -> dict | None:
+        try:
+            r = httpx.get(base + path, headers=HEADERS, timeout=30)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+    return get
 
 
 @pytest.fixture(scope="module")
-def loadtest_app(ray_cluster, tiny_models, tmp_path_factory):
+def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
+    """The four arms of one app config, served side by side (started together, waited for together)."""
     from ray import serve
 
     from app.builder import build_app
@@ -42,26 +58,39 @@ def loadtest_app(ray_cluster, tiny_models, tmp_path_factory):
         "engine": {"model": str(tiny_models["target"]), "draft": str(tiny_models["dflash"]), "method": "dflash",
                    "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
-        "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "max_ongoing_requests": 8,
-                           "max_queued_requests": 16, "profile_wait_s": 60,
+        "engine_replica": {"num_cpus": 0.2, "telemetry_interval_s": 1.0, "max_ongoing_requests": 8,
+                           "max_queued_requests": 64, "profile_wait_s": 60,
                            "autoscaling": {"min_replicas": 1, "max_replicas": 1, "initial_replicas": 1}},
         "ingress": {"api_key": KEY, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
     }
-    serve.run(build_app(args), name="loadtest", route_prefix="/loadtest", blocking=False)
-    headers = {"Authorization": f"Bearer {KEY}"}
+    from ray.serve.api import RunTarget
+
+    serve.run_many([RunTarget(build_app(arm_args(args, arm, SCHEDULE)), name=f"lt-{arm}", route_prefix=f"/lt-{arm}")
+                    for arm in ARMS], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.post(f"{BASE}/v1/completions", json=body, headers=headers, timeout=30).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the loadtest app did not answer a completion within 120 s"
+    deadline = time.monotonic() + 360  # four engines starting at once on 2 cores (each profiles its cost table)
+    waiting = set(ARMS)
+    while waiting:
+        for arm in sorted(waiting):
+            try:
+                ok = httpx.post(f"{ROOT}/lt-{arm}/v1/completions", json=body, headers=HEADERS,
+                                timeout=30).status_code == 200
+                status = _get_json(f"{ROOT}/lt-{arm}")("/dcut/status") if ok else None
+                if status and status.get("replicas"):
+                    waiting.discard(arm)
+            except httpx.HTTPError:
+                pass
+        assert time.monotonic() < deadline, f"arms {sorted(waiting)} did not serve within 360 s"
         time.sleep(1)
-    yield BASE
-    serve.delete("loadtest")
+    yield {arm: f"{ROOT}/lt-{arm}" for arm in ARMS}
+    for arm in ARMS:
+        serve.delete(f"lt-{arm}")
+
+
+@pytest.fixture(scope="module")
+def loadtest_app(arm_apps):
+    return arm_apps["dcut"]
 
 
 def _locust(host: str, prefix: Path, users: int = 3, seconds: int = 6) -> subprocess.CompletedProcess:
@@ -97,8 +126,6 @@ def test_locust_streams_and_records_ttft_itl(loadtest_app, tmp_path):
     result = run_result(prefix, "dcut", 3)
     assert result.failures == 0 and result.user_errors == 0 and not result.errors
     assert result.output_tokens > 0 and result.output_tokens_per_s > 0 and result.ttft_p50_ms > 0
-    write_report(tmp_path / "report", [result], {"setup": {}})
-    assert f"| on | 3 | {result.requests} | 0 |" in (tmp_path / "report" / "results.md").read_text()
 
 
 def test_failures_carry_the_openai_error_message(loadtest_app, tmp_path):
@@ -117,38 +144,51 @@ def test_failures_carry_the_openai_error_message(loadtest_app, tmp_path):
     assert any("HTTP 401" in e["error"] and "API key" in e["error"] for e in result.errors), result.errors
 
 
-def _committed_runs() -> list[tuple[Path, str, int]]:
-    runs = []
-    for path in sorted(COMMITTED_CSV.glob("*_stats.csv")):
-        mode, _, users = path.name.removesuffix("_stats.csv").partition("-u")
-        runs.append((path.with_name(path.name.removesuffix("_stats.csv")), mode, int(users)))
-    return runs
+def test_report_of_every_arm(arm_apps, tmp_path):
+    """The real tooling, briefly: each arm at 2 users and at 3 requests/s, the report written from it."""
+    from loadtest import run
+    from loadtest.report import write_report
 
+    opts = run.parse_args(["--users", "2", "--rates", "3", "--repeats", "1", "--duration", "3", "--ramp", "1",
+                           "--max-tokens", "4:12", "--prompt-chars", "16:120", "--seed", "1",
+                           "--status-timeout", "5", "--ttft-ms", "60000", "--tpot-ms", "10000"])
+    work, out = tmp_path / "work", tmp_path / "report"
+    work.mkdir()
+    runs: list[dict] = []
+    for arm, base in arm_apps.items():
+        target = run.Target(base, KEY, MODEL)
+        run.measure_arm(arm, [run.Point("users", 2)], lambda: [3.0], target, opts, work, _get_json(base), runs)
+    run.copy_raw(runs, work, out)
+    record = write_report(out, runs, {"setup": {"repeats": 1, "ramp_s": 1, "duration_s": 3, "work": str(work),
+                                                "objectives": {"ttft_ms": 60000, "tpot_ms": 10000}},
+                                      "arms": {}, "machine": {}})
 
-def test_results_table_from_real_locust_csv(tmp_path):
-    """The table builder on the Locust CSV files of the committed comparison (docs/loadtest/csv)."""
-    runs = _committed_runs()
-    if not runs:
-        pytest.skip("no committed load-test CSV under docs/loadtest/csv")
-    results = [run_result(prefix, mode, users) for prefix, mode, users in runs]
-    for (prefix, _, _), r in zip(runs, results, strict=True):
-        rows = _rows(prefix)
-        posts = [v for (t, n), v in rows.items() if t == "POST" and n.startswith("/v1/")]
-        assert r.requests == sum(int(v["Request Count"]) for v in posts)
-        assert r.failures == sum(int(v["Failure Count"]) for v in posts)
-        streamed = sum(int(rows[("SSE", n)]["Request Count"]) * float(rows[("SSE", n)]["Average Content Size"])
-                       for n in ("TTFT", "ITL") if ("SSE", n) in rows)
-        assert r.output_tokens == round(streamed)
-        if r.window_s:
-            assert r.output_tokens_per_s == pytest.approx(streamed / r.window_s, rel=1e-6)
-        assert r.ttft_p50_ms is None or r.ttft_p50_ms <= r.ttft_p99_ms
-    table = markdown_table(results)
-    assert len(table.splitlines()) == 2 + len(results)
-    assert all(f"| {r.mode} | {r.users} |" in table for r in results)
+    assert {(p["arm"], p["kind"]) for p in record["points"]} == {(a, k) for a in ARMS for k in ("users", "rate")}
+    for p in record["points"]:
+        s = {k: v["median"] for k, v in p["summary"].items()}
+        where = f"{p['arm']} {p['kind']} {p['load']}"
+        assert s["requests"] > 0 and s["failures"] == 0, where
+        assert 0 < s["goodput_requests_per_s"] <= s["requests_per_s"], where
+        assert 0 < s["goodput_tokens_per_s"] <= s["output_tokens_per_s"], where
+        for lat in LATENCIES:
+            values = [s[f"{lat}_p{q}_ms"] for q in PERCENTILES]
+            assert None not in values and 0 < values[0] <= values[1] <= values[2], (where, lat, values)
+        if p["arm"] == "none":  # no drafter: nothing to accept or cut
+            assert s["mean_accepted_length"] is None and s["keep_ratio"] is None, where
+        else:  # the replica's step totals moved during the point
+            assert s["mean_accepted_length"] is not None and 0 <= s["mean_accepted_length"] <= 7, where
+            assert 0 < s["keep_ratio"] <= 1, where
+            if p["arm"] in ("full", "dynamic"):  # every draft verified
+                assert s["keep_ratio"] == pytest.approx(1.0), where
+    assert [r["requests_log"].startswith("raw/") for r in record["runs"]] == [True] * len(runs)
+    assert all((out / r["requests_log"]).stat().st_size > 0 for r in record["runs"])
 
-    write_report(tmp_path, results, {"setup": {"from": str(COMMITTED_CSV)}})
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert {(r["mode"], r["users"]) for r in data["runs"]} == {(m, u) for _, m, u in runs}
-    assert (tmp_path / "tokens_per_s.png").stat().st_size > 0 and (tmp_path / "ttft_p99.png").stat().st_size > 0
-    assert table in (tmp_path / "results.md").read_text()
-    assert data["setup"]["from"] == str(COMMITTED_CSV.relative_to(REPO)), "committed reports carry no machine paths"
+    assert {k: [s["arm"] for s in v] for k, v in record["stops_paying"].items()} == \
+        {"users": ["full", "dynamic", "dcut"], "rate": ["full", "dynamic", "dcut"]}
+    md = (out / "results.md").read_text()
+    lines = [line for line in md.splitlines() if line.startswith("- **")]
+    assert len(lines) == 2 and all(f"`{a}`" in line for line in lines for a in ("full", "dynamic", "dcut")), lines
+    for name in ("throughput.png", "latency.png"):
+        assert (out / name).stat().st_size > 10_000, name
+    text = (out / "results.json").read_text()
+    assert str(REPO) not in text and str(tmp_path) not in text, "committed reports carry no machine paths"

@@ -304,3 +304,19 @@ def test_committed_report_recomputes_from_its_raw_logs(tmp_path):
                 assert run["figures"][key] == pytest.approx(value), (run["arm"], run["kind"], run["load"], key)
     assert {p["arm"] for p in record["points"]} == set(setup["arms"])
     assert str(REPO) not in path.read_text() and str(Path.home()) + "/" not in path.read_text()
+
+
+def test_fresh_status_waits_for_a_report_sent_after_the_point():
+    import time
+
+    from loadtest.run import fresh_status
+
+    since = time.time()
+    readings = iter([{"replicas": [{"replica_id": "a", "age_s": 5.0}]},   # sent before `since`
+                     None,                                                # a failed read keeps the last one
+                     {"replicas": [{"replica_id": "a", "age_s": 0.0}]}])
+    status, fresh = fresh_status(lambda path: next(readings), since, timeout_s=5)
+    assert fresh and status["replicas"][0]["age_s"] == 0.0
+    stale = {"replicas": [{"replica_id": "a", "age_s": 100.0}]}
+    status, fresh = fresh_status(lambda path: stale, time.time(), timeout_s=0.3)
+    assert not fresh and status == stale
