@@ -178,7 +178,8 @@ class StreamTimings:
         return (self.token_times[-1] - self.token_times[0]) * 1000 / (self.output_tokens - 1)
 
     def record(self, status: str, path: str, max_tokens: int, error: str | None = None) -> dict:
-        """The requests-log line: times in seconds after ``start`` (wall clock: ``start``)."""
+        """The requests-log line: ``start`` the wall-clock time the request was sent, every other time in seconds
+        after it (``end``: the stream ended, or the line was written; ``chunks``: [arrival, tokens])."""
         end = self.end or time.perf_counter()
         return {"start": self.wall_start, "path": path, "max_tokens": max_tokens, "status": status,
                 "error": error, "prompt_tokens": self.prompt_tokens, "end": round(end - self.start, 6),
@@ -411,9 +412,8 @@ class PoissonArrivals(OpenAIStreamUser):
                     request_type="POST", name=path, response_time=0, response_length=0, context={},
                     exception=RuntimeError(f"DROPPED: {len(self.in_flight)} requests in flight (--max-in-flight)"),
                     response=None, url=None)
-                RequestsLog.write({**StreamTimings(start=time.perf_counter()).record("dropped", path,
-                                                                                   body["max_tokens"]),
-                                   "error": "max in flight"})
+                RequestsLog.write(StreamTimings(start=time.perf_counter()).record(
+                    "dropped", path, body["max_tokens"], "DROPPED: --max-in-flight requests in flight"))
                 continue
             self.in_flight.spawn(self.send, path, body)
 
