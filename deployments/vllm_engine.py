@@ -164,12 +164,18 @@ class VLLMEngine:
         except ValidationError as e:
             yield error_body(validation_message(e), 400, "BadRequestError")
             return
+        except VLLMClientError as e:  # raised by vLLM's own validators, past pydantic (found by loadtest.fuzz)
+            yield error_body(str(e), int(getattr(e, "status_code", None) or 400), "BadRequestError")
+            return
+        except Exception as e:  # noqa: BLE001 - anything else a validator raises is still about the body
+            yield error_body(f"Invalid request: {type(e).__name__}: {e}", 400, "BadRequestError")
+            return
         self.load.ongoing_requests += 1
         try:
             try:
                 result = await create(request, None)
             except (ValueError, VLLMClientError) as e:
-                yield error_body(str(e), int(getattr(e, "status_code", 400)), "BadRequestError")
+                yield error_body(str(e), int(getattr(e, "status_code", None) or 400), "BadRequestError")
                 return
             except Exception as e:  # an engine fault: answer 500, keep the replica serving
                 logger.exception("engine fault")

@@ -301,6 +301,7 @@ class FuzzReport:
     server_errors: int = 0
     problems: list[dict] = field(default_factory=list)
     client_errors: dict[str, int] = field(default_factory=dict)  # transport failures (timeouts, resets)
+    top_errors: dict[str, int] = field(default_factory=dict)     # the most frequent 4xx messages (cut at 80 chars)
     after: int | None = None                                   # status of the plain request afterwards
     duration_s: float = 0.0
     slowest_s: float = 0.0
@@ -317,7 +318,7 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
     then one plain completion. ``client`` carries the base URL (127.0.0.1) and the API key."""
     assert client.base_url.host in LOCAL, "fuzzing runs against this machine only"
     report = FuzzReport()
-    statuses, outcomes, labels, transport = (collections.Counter() for _ in range(4))
+    statuses, outcomes, labels, transport, messages = (collections.Counter() for _ in range(5))
     t0 = time.monotonic()
 
     @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
@@ -338,6 +339,8 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
         statuses[str(r.status_code)] += 1
         outcome, problem = classify(r.status_code, r.headers.get("content-type", ""), r.content)
         outcomes[outcome] += 1
+        if outcome == "error" and problem is None:
+            messages[f"{r.status_code} {r.json()['error']['message'][:80]}"] += 1
         report.server_errors += outcome == "5xx"
         if problem is not None:
             report.problems.append({"path": case.path, "status": r.status_code,
@@ -352,6 +355,7 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
     report.cases = sum(labels.values())
     report.statuses = dict(sorted(statuses.items()))
     report.outcomes, report.labels, report.client_errors = dict(outcomes), dict(labels), dict(transport)
+    report.top_errors = dict(messages.most_common(15))
     report.duration_s = round(time.monotonic() - t0, 1)
     report.slowest_s = round(report.slowest_s, 2)
     return report

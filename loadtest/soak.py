@@ -12,7 +12,7 @@ each engine replica process's RSS after the warm-up (``--warmup-s``) and at the 
 (exit 0) with no failure, every started request finished, and every replica's growth <= ``--max-rss-growth``.
 
 Replica processes: those of this run's ``serve run`` process tree whose title is ``ray::ServeReplica:<app>:
-EngineReplica`` (with ``--url``: every such process of this user on the machine).
+EngineReplica`` (with ``--url``: under ``--serve-pid``, else every such process of this user on the machine).
 """
 
 from __future__ import annotations
@@ -323,6 +323,7 @@ def main() -> None:
     p.add_argument("--api-key")
     p.add_argument("--model", default="", help="Model name (default: the config's served_model_name).")
     p.add_argument("--app", default=None, help="Serve application name of the engine replicas (default: any).")
+    p.add_argument("--serve-pid", type=int, help="With --url: only replicas under this process (its `serve run`).")
     p.add_argument("--users", type=int, default=256)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--spawn-rate", type=float, default=16.0, help="Users started per second.")
@@ -358,7 +359,7 @@ def main() -> None:
         print(f"served {opts.config} in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s", flush=True)
     assert httpx.URL(opts.url).host in LOCAL, "the soak runs against this machine only"
     try:
-        report = run_soak(opts, serve_process.proc.pid if serve_process else None, out_dir)
+        report = run_soak(opts, serve_process.proc.pid if serve_process else opts.serve_pid, out_dir)
     finally:
         if serve_process is not None:
             left = serve_process.stop()
