@@ -144,9 +144,19 @@ def write_plots(out: Path, pts: list[dict]) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, ScalarFormatter
 
     kinds = [k for k in KINDS if any(p["kind"] == k for p in pts)]
     arms = [a for a in ARMS if any(p["arm"] == a for p in pts)]
+
+    def load_axis(ax, kind: str) -> None:
+        """Users on a log-2 axis ticked at the points measured, in plain numbers."""
+        ax.set_xlabel(KINDS[kind][2])
+        if kind == "users":
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({p["load"] for p in pts if p["kind"] == kind}))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
 
     def series(arm: str, kind: str, name: str):
         rows = [p for p in pts if p["arm"] == arm and p["kind"] == kind and p["summary"][name]["median"] is not None]
@@ -164,9 +174,9 @@ def write_plots(out: Path, pts: list[dict]) -> list[Path]:
                 x, y, err = series(arm, kind, name)
                 if x:
                     ax.errorbar(x, y, yerr=err, color=color, marker=marker, capsize=3, label=arm)
-            ax.set_xlabel(KINDS[kind][2])
+            load_axis(ax, kind)
             ax.set_ylabel(label)
-            ax.set_xscale("log", base=2) if kind == "users" else None
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.suptitle("Throughput and goodput vs load (median, bars: min–max over repeats)")
@@ -187,11 +197,13 @@ def write_plots(out: Path, pts: list[dict]) -> list[Path]:
                     if x:
                         ax.plot(x, y, style, color=color, marker=marker, markersize=4,
                                 label=f"{arm} p{q}" if row == 0 else None)
-            ax.set_xlabel(KINDS[kind][2])
+            load_axis(ax, kind)
             ax.set_ylabel(f"{lat.upper()} (ms)")
             ax.set_yscale("log")
-            ax.set_xscale("log", base=2) if kind == "users" else None
-            ax.grid(alpha=0.3)
+            ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.grid(alpha=0.3, which="both")
         axes[0][col].legend(fontsize=7, ncol=2)
     fig.suptitle("Latency percentiles vs load (p50 solid, p90 dashed, p99 dotted; medians over repeats)")
     fig.tight_layout()
