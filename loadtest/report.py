@@ -88,6 +88,9 @@ def markdown(meta: dict, pts: list[dict], paying: dict[str, list[StopsPaying]], 
     setup = meta.get("setup", {})
     obj = setup.get("objectives", {})
     md = ["# Load test: `none` / `full` / `dynamic` / `dcut`", ""]
+    if setup.get("runs_done", 0) < setup.get("runs_planned", 0):
+        md += [f"**Incomplete**: {setup['runs_done']} of {setup['runs_planned']} runs measured (the run stopped "
+               "early; see its log).", ""]
     if setup.get("quick"):
         md += ["**The quick variant** (`--quick`: few points, one repeat, short runs): a look, not the full report "
                "(`make loadtest`).", ""]

@@ -327,8 +327,7 @@ def copy_raw(runs: list[dict], work: Path, out: Path) -> None:
     raw.mkdir(parents=True)
     for run in runs:
         src = work / run["requests_log"]
-        with open(src, "rb") as f, gzip.open(raw / f"{src.name}.gz", "wb", mtime=0) as g:
-            shutil.copyfileobj(f, g)
+        (raw / f"{src.name}.gz").write_bytes(gzip.compress(src.read_bytes(), mtime=0))  # reproducible bytes
         run["requests_log"] = f"raw/{src.name}.gz"
 
 
@@ -382,6 +381,7 @@ def main(argv=None) -> int:
                      "max_tokens": opts.max_tokens, "prompt_chars": opts.prompt_chars,
                      "chat_fraction": opts.chat_fraction, "prompt_file": str(opts.prompt_file), "seed": opts.seed,
                      "ignore_eos": True, "temperature": 0.0, "quick": opts.quick,
+                     "runs_planned": runs_total, "runs_done": len(runs),
                      "spec_schedule": schedule, "spec_schedule_source": schedule_source,
                      "command": "python -m loadtest.run " + " ".join(sys.argv[1:] if argv is None else argv)}
             meta = {"started": started, "finished": dt.datetime.now().isoformat(timespec="seconds"),

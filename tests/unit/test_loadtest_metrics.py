@@ -320,3 +320,56 @@ def test_fresh_status_waits_for_a_report_sent_after_the_point():
     stale = {"replicas": [{"replica_id": "a", "age_s": 100.0}]}
     status, fresh = fresh_status(lambda path: stale, time.time(), timeout_s=0.3)
     assert not fresh and status == stale
+
+
+def test_main_plans_arms_points_and_repeats(tmp_path, monkeypatch):
+    """``loadtest.run.main`` without a server: each arm 'served', each point 'measured' by stand-ins; the rates
+    are sized once from the first arm's users points and used for every arm; the report is written."""
+    from loadtest import run
+
+    served, measured = [], []
+
+    def fake_serve_arm(arm, config, opts, work, measure):
+        served.append((arm, AppConfig.model_validate(config["applications"][0]["args"]).engine.method))
+
+        class Serve:
+            def get_json(self, path):
+                return {"replicas": []}
+
+            def remember_tree(self):
+                pass
+
+        measure(run.Target("http://127.0.0.1:1", None, "dense"), Serve())
+        return {"engine": {}, "ready_s": 1.0, "replicas_at_end": 2}
+
+    def fake_measure_point(arm, point, repeat, target, opts, work, get_json, on_tick=None):
+        measured.append((arm, point.kind, point.load, repeat))
+        name = f"{arm}-{point.label}-r{repeat}.requests.jsonl"
+        (work / name).write_text('{"event": "test_start", "t": 0}\n')
+        per_user = {"none": 4.0, "full": 1.0, "dynamic": 2.0, "dcut": 3.0}[arm]
+        rps = per_user * (point.load if point.kind == "users" else 1)
+        figures = PointFigures(window_s=20, offered=10, requests=10, failures=0, unfinished=0, requests_per_s=rps,
+                               output_tokens_per_s=rps * 64, goodput_requests_per_s=rps, goodput_tokens_per_s=rps * 60,
+                               e2e_p50_ms=1000 / rps)
+        return {"arm": arm, "kind": point.kind, "load": point.load, "repeat": repeat, "locust_exit": 0,
+                "figures": figures.to_json(), "telemetry": {}, "errors": {}, "requests_log": name}
+
+    monkeypatch.setattr(run, "serve_arm", fake_serve_arm)
+    monkeypatch.setattr(run, "measure_point", fake_measure_point)
+    out = tmp_path / "out"
+    rc = run.main(["--out", str(out), "--users", "1,2", "--rate-fractions", "0.5,1", "--repeats", "2",
+                   "--duration", "1", "--ramp", "0"])
+    assert rc == 0
+    assert served == [("none", "none"), ("full", "dflash"), ("dynamic", "dflash"), ("dcut", "dflash")]
+    # none's best users point completed 8 req/s: rates 4 and 8 for every arm, after the users points, per repeat
+    assert [m for m in measured if m[0] == "dcut"] == [
+        ("dcut", "users", 1.0, 1), ("dcut", "users", 2.0, 1), ("dcut", "rate", 4.0, 1), ("dcut", "rate", 8.0, 1),
+        ("dcut", "users", 1.0, 2), ("dcut", "users", 2.0, 2), ("dcut", "rate", 4.0, 2), ("dcut", "rate", 8.0, 2)]
+    assert len(measured) == 4 * 2 * 4
+    record = json.loads((out / "results.json").read_text())
+    assert record["setup"]["rates"] == [4.0, 8.0] and record["setup"]["spec_schedule"][0] == [1, 1, 15]
+    assert len(record["points"]) == 4 * 4 and all(p["repeats"] == 2 for p in record["points"])
+    users = {s["arm"]: s["verdict"] for s in record["stops_paying"]["users"]}
+    assert users == {"full": "never_pays", "dynamic": "never_pays", "dcut": "never_pays"}
+    assert all((out / r["requests_log"]).exists() for r in record["runs"])
+    assert "Where speculation stops paying" in (out / "results.md").read_text()
