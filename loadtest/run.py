@@ -164,6 +164,7 @@ def measure_point(arm: str, point: Point, repeat: int, target: Target, opts, wor
         tail = Path(f"{prefix}.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"locust wrote no requests log (exit {rc}):\n{tail}")
     events, records = read_requests_log(log_path)
+    events.setdefault("test_stop", log_path.stat().st_mtime)  # Locust killed at its deadline: the log's last write
     figures = point_figures(records, measured_window(events, opts.ramp), opts.objectives)
     telemetry = {**acceptance_between(before, after), "fresh": fresh_before and fresh_after}
     figures.mean_accepted_length, figures.keep_ratio = telemetry["mean_accepted_length"], telemetry["keep_ratio"]
