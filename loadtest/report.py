@@ -106,15 +106,16 @@ def markdown(meta: dict, pts: list[dict], paying: dict[str, list[StopsPaying]], 
     if setup.get("spec_schedule_source"):
         md += ["", f"`dynamic`'s schedule: {setup['spec_schedule_source']}."]
     md += ["", f"Goodput objectives: TTFT ≤ {obj.get('ttft_ms', 0):g} ms and TPOT ≤ {obj.get('tpot_ms', 0):g} ms. "
-           f"{setup.get('repeats')} repeat(s) per point; {setup.get('ramp_s'):g} s ramp/warm-up (not measured), then "
-           f"{setup.get('duration_s'):g} s measured. Requests: {setup.get('max_tokens')} output tokens "
+           f"{setup.get('repeats')} repeat(s) per point; {setup.get('ramp_s', 0):g} s ramp/warm-up (not measured), "
+           f"then {setup.get('duration_s', 0):g} s measured. Requests: {setup.get('max_tokens')} output tokens "
            f"(ignore_eos), prompts of {setup.get('prompt_chars')} characters from `{setup.get('prompt_file')}`, "
            f"{setup.get('chat_fraction')} chat, greedy, seed {setup.get('seed')}. Definitions: `loadtest/metrics.py`; "
            "accepted length = drafts accepted per request-step (bonus token not counted) and keep ratio = drafts "
            "verified / drafted, both over the steps the replicas ran during the point (their step totals in "
            "`/dcut/status` before and after it).", ""]
     m = meta.get("machine", {})
-    md += [f"Machine: {m.get('cpu')} ({m.get('cores')} cores), torch {m.get('torch')}, Python {m.get('python')}."]
+    md += [f"Machine: {m.get('cpu')} ({m.get('cores')} cores), torch {m.get('torch')}, Python {m.get('python')}; "
+           "Locust runs on the same machine (127.0.0.1) and shares its cores with the server."]
     md += [*meta.get("notes", []), "", "## Where speculation stops paying", ""]
     for kind, results in paying.items():
         if results:
