@@ -1,7 +1,7 @@
 """The load-test report: four arms, fixed concurrency and open-loop request rates, repeats with spread.
 
-    python -m loadtest.run --out docs/loadtest                  # the full report (~2.5 h on the 2-core CPU box)
-    python -m loadtest.run --out docs/loadtest --quick          # a short look: 2 users points, 2 rates, 1 repeat, 20 s
+    python -m loadtest.run --out docs/loadtest           # the full report (~3 h on the 2-core CPU box)
+    python -m loadtest.run --out docs/loadtest --quick   # a look (~15 min): 8 and 32 users, 2 rates, 1 repeat, 20 s
 
 For each arm (``loadtest/arms.py``: ``none``, ``full``, ``dynamic``, ``dcut``) it writes the arm's config, starts
 ``serve run`` on it (its own local Ray, HTTP on 127.0.0.1 only), waits until every initial replica reports, then
