@@ -28,7 +28,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 PORT = int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))
 ROOT = f"http://127.0.0.1:{PORT}"
-BASE = f"{ROOT}/lt-dcut"
 KEY = "loadtest-key"
 MODEL = "tiny-lt"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -49,6 +48,7 @@ def _get_json(base: str):
 def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
     """The four arms of one app config, served side by side (started together, waited for together)."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from app.builder import build_app
 
@@ -64,8 +64,6 @@ def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
         "ingress": {"api_key": KEY, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
     }
-    from ray.serve.api import RunTarget
-
     serve.run_many([RunTarget(build_app(arm_args(args, arm, SCHEDULE)), name=f"lt-{arm}", route_prefix=f"/lt-{arm}")
                     for arm in ARMS], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
@@ -73,6 +71,9 @@ def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
     waiting = set(ARMS)
     while waiting:
         for arm in sorted(waiting):
+            app = serve.status().applications.get(f"lt-{arm}")
+            if app is not None and app.status == "DEPLOY_FAILED":
+                pytest.fail(f"arm {arm} failed to deploy: {app.message}")
             try:
                 ok = httpx.post(f"{ROOT}/lt-{arm}/v1/completions", json=body, headers=HEADERS,
                                 timeout=30).status_code == 200
