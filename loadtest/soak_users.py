@@ -12,54 +12,12 @@ records, and ``["TTFT", t, ms]`` / ``["ITL", t, ms]`` for each token chunk.
 
 from __future__ import annotations
 
-import json
 import time
 
 from gevent import GreenletExit
-from locust import events, task
 
 import loadtest.locustfile as streaming  # a module, not its classes: Locust would run every user class it sees
-
-
-@events.init_command_line_parser.add_listener
-def _arguments(parser):
-    parser.add_argument("--soak-log", env_var="LOADTEST_SOAK_LOG", default="", help="JSON lines for the soak.")
-
-
-class SoakLog:
-    """The ``--soak-log`` file, appended line by line (greenlets of one process: lines never interleave)."""
-
-    file = None
-
-    @classmethod
-    def write(cls, *record) -> None:
-        if cls.file is not None:
-            cls.file.write(json.dumps(record, separators=(",", ":")) + "\n")
-
-
-@events.init.add_listener
-def _open(environment, **_kwargs):
-    opts = environment.parsed_options
-    if opts is not None and opts.soak_log and SoakLog.file is None:
-        SoakLog.file = open(opts.soak_log, "a", buffering=1)  # noqa: SIM115 - closed at quit
-
-
-@events.quit.add_listener
-def _close(**_kwargs):
-    if SoakLog.file is not None:
-        SoakLog.file.close()
-        SoakLog.file = None
-
-
-@events.request.add_listener
-def _request(request_type, name, response_time, exception=None, context=None, **_kwargs):
-    now = time.time()
-    if exception is not None:
-        SoakLog.write("fail", now, f"{name}: {exception}"[:300])
-        if isinstance(context, dict) and isinstance(context.get("soak_user"), SoakUser):
-            context["soak_user"].failed = True
-    elif request_type == streaming.SSE_TYPE and name in ("TTFT", "ITL"):
-        SoakLog.write(name, now, round(response_time, 3))
+from loadtest.soak_log import SoakLog  # imported once (Locust may import this file twice): listeners once
 
 
 class SoakUser(streaming.OpenAIStreamUser):
@@ -68,10 +26,10 @@ class SoakUser(streaming.OpenAIStreamUser):
     failed = False
 
     def context(self) -> dict:
-        """Carried by this user's request events, so a failure is pinned on the request that had it."""
+        """Carried by this user's request events, so a failure is pinned on the request that had it
+        (``loadtest.soak_log`` sets ``failed``)."""
         return {"soak_user": self}
 
-    @task
     def stream_completion(self) -> None:
         SoakLog.write("start", time.time())
         self.failed = False
@@ -81,3 +39,8 @@ class SoakUser(streaming.OpenAIStreamUser):
             SoakLog.write("cut", time.time())
             raise
         SoakLog.write("end", time.time(), "failed" if self.failed else "ok")
+
+
+# Locust adds a base class's tasks to a subclass's: this one task replaces the inherited one (else every other
+# request would go unlogged).
+SoakUser.tasks = [SoakUser.stream_completion]
