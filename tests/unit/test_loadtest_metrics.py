@@ -372,4 +372,7 @@ def test_main_plans_arms_points_and_repeats(tmp_path, monkeypatch):
     users = {s["arm"]: s["verdict"] for s in record["stops_paying"]["users"]}
     assert users == {"full": "never_pays", "dynamic": "never_pays", "dcut": "never_pays"}
     assert all((out / r["requests_log"]).exists() for r in record["runs"])
-    assert "Where speculation stops paying" in (out / "results.md").read_text()
+    md = (out / "results.md").read_text()
+    assert "Where speculation stops paying" in md and "Incomplete" not in md
+    text = (out / "results.json").read_text()
+    assert str(REPO) not in text and record["setup"]["config"] == "app.config.yaml", "no machine paths"
