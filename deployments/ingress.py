@@ -107,7 +107,7 @@ class Ingress:
             return error_response(f"The request body is larger than this server accepts ({cap} bytes).", 413,
                                   "RequestEntityTooLargeError")
         try:
-            body = json.loads(raw)
+            body = limits.parse_json(raw)
         except ValueError as e:
             return error_response(f"Malformed JSON body: {e}", 400, "BadRequestError")
         except RecursionError:  # nested deeper than the parser recurses (a 500 before; found by loadtest.fuzz)

@@ -210,11 +210,32 @@ def _dumps(value) -> bytes:
     return json.dumps(value).encode()
 
 
+# Hand-written hostile bodies, each sent to both routes before the drawn cases (and drawn again among them).
+RAW_FIXED: list[bytes] = [
+    b"", b"{", b"{not json", b"null", b"[]", b'"prompt"', b"\xff\xfe{}", b'{"model": "\xc3\x28"}',
+    b'\xef\xbb\xbf{"prompt": "x"}', b'{"prompt": "x", "prompt": 1}', b"1" * 5000,
+    b'{"temperature": NaN, "prompt": "x", "max_tokens": 2}',               # not JSON, though Python parses them
+    b'{"temperature": Infinity, "prompt": "x", "max_tokens": 2}',
+    b'{"top_p": 1e999, "prompt": "x", "max_tokens": 2}',
+    b'{"model": "\\ud800", "prompt": "x", "max_tokens": 2}',             # unpaired surrogates
+    b'{"prompt": "a\\udfffb", "max_tokens": 2, "echo": true}',
+    b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+    b'{"\\udc00": 1, "prompt": "x", "max_tokens": 2}',
+    b"[" * 100_000, b"[" * 900 + b"]" * 900,                              # deeper than Python's parser recurses
+    b'{"prompt": "x", "max_tokens": -5}', b'{"prompt": "x", "max_tokens": 100000000}',
+    b'{"prompt": "x", "max_tokens": 2, "n": 1000}', b'{"prompt": "x", "max_tokens": 2, "logprobs": 100}',
+    b'{"prompt": "x", "max_tokens": 2, "temperature": -1, "top_p": 2}',
+    b'{"prompt": [999999999], "max_tokens": 2}', b'{"prompt": [-1], "max_tokens": 2}',
+    b'{"prompt": {"text": "x"}, "max_tokens": 2}', b'{"messages": [], "max_tokens": 2}',
+    b'{"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 2}',
+    b'{"prompt": "x", "max_tokens": 2, "logit_bias": {"999999999": 100}}',
+    b'{"prompt": "x", "max_tokens": 2, "stop_token_ids": [-1, 999999999]}',
+    b'{"prompt": "x", "max_tokens": 2, "prompt_logprobs": 1000}',
+    b'{"prompt": "x", "max_tokens": 2, "seed": 100000000000000000000000}',
+]
+
 raw_bodies = st.one_of(
-    st.sampled_from([b"", b"{", b"{not json", b"null", b"[]", b"\xff\xfe{}", b'{"model": "\xc3\x28"}',
-                     b'\xef\xbb\xbf{"prompt": "x"}', b'{"prompt": "x", "prompt": 1}', b"1" * 5000,
-                     b'{"temperature": NaN, "prompt": "x", "max_tokens": 2}',
-                     b'{"temperature": Infinity, "prompt": "x", "max_tokens": 2}']),
+    st.sampled_from(RAW_FIXED),
     st.integers(1000, 200_000).map(lambda depth: b"[" * depth),
     st.integers(1000, 100_000).map(lambda depth: b'{"a":' * depth),
     st.integers(30, 5000).map(lambda depth: b"[" * depth + b"]" * depth),
@@ -314,18 +335,18 @@ class FuzzReport:
 
 def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int = 8,
          progress=None) -> FuzzReport:
-    """Post ``n_cases`` hypothesis-drawn cases (generation only: every answer is recorded, nothing is shrunk),
-    then one plain completion. ``client`` carries the base URL (127.0.0.1) and the API key."""
+    """Post every ``RAW_FIXED`` body to both routes, then ``n_cases`` hypothesis-drawn cases (generation only: every
+    answer is recorded, nothing is shrunk), then one plain completion. ``client`` carries the base URL (127.0.0.1)
+    and the API key."""
     assert client.base_url.host in LOCAL, "fuzzing runs against this machine only"
     report = FuzzReport()
     statuses, outcomes, labels, transport, messages = (collections.Counter() for _ in range(5))
     t0 = time.monotonic()
 
-    @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
-    @settings(max_examples=n_cases, database=None, deadline=None, phases=[Phase.generate], derandomize=False,
-              suppress_health_check=list(HealthCheck))
-    @given(cases(model, cap))
-    def run(case: Case) -> None:
+    fixed = [Case(path, raw, label="fixed") for raw in RAW_FIXED for path in ROUTES]
+    total = len(fixed) + n_cases
+
+    def send(case: Case) -> None:
         started = time.monotonic()
         labels[case.label] += 1
         try:
@@ -346,10 +367,20 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
             report.problems.append({"path": case.path, "status": r.status_code,
                                     "body": case.content[:300].decode(errors="replace"), "problem": problem})
         done = sum(labels.values())
-        if progress is not None and (done % 50 == 0 or done == n_cases):
-            progress(f"  {done}/{n_cases} cases, {time.monotonic() - t0:.0f} s, statuses {dict(statuses)}")
+        if progress is not None and (done % 50 == 0 or done == total):
+            progress(f"  {done}/{total} cases, {time.monotonic() - t0:.0f} s, statuses {dict(statuses)}")
 
-    run()
+    for case in fixed:
+        send(case)
+
+    @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
+    @settings(max_examples=n_cases, database=None, deadline=None, phases=[Phase.generate], derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @given(cases(model, cap))
+    def drawn(case: Case) -> None:
+        send(case)
+
+    drawn()
     plain = {"model": model, "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
     report.after = client.post("/v1/completions", json=plain).status_code
     report.cases = sum(labels.values())

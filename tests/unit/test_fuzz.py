@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loadtest.fuzz import (
+    RAW_FIXED,
     REFUSED_MAX_TOKENS,
     bound_work,
     cases,
@@ -30,6 +31,11 @@ def test_every_case_is_bounded_json_or_raw(case):
     if case.label in ("completion", "chat"):
         body = json.loads(case.content)
         assert isinstance(body, dict) and token_work(body, CAP, chat=case.label == "chat"), body
+
+
+def test_fixed_cases_are_bodies_the_limits_let_through_to_the_parser():
+    assert len(set(RAW_FIXED)) == len(RAW_FIXED)
+    assert all(len(raw) < 1 << 20 for raw in RAW_FIXED)  # under the body limit: the 413 would hide the rest
 
 
 @settings(max_examples=200, deadline=None)

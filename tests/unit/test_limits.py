@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deployments.limits import BodyTooLarge, nesting_depth, read_body, violation
+from deployments.limits import BodyTooLarge, json_problem, parse_json, read_body, violation
 from deployments.settings import RequestLimits
 
 LIMITS = RequestLimits(max_body_bytes=100, max_n=4, max_stop=2, max_tokens=64)
@@ -78,8 +78,10 @@ def _nested(depth: int):
 
 
 @given(st.integers(0, 3000), st.integers(2, 100))
-def test_nesting_depth_counts_levels_up_to_one_past_the_limit(depth, stop):
-    assert nesting_depth(_nested(depth), stop) == min(depth, stop + 1)
+def test_nesting_deeper_than_the_limit_is_named(depth, limit):
+    problem = json_problem(_nested(depth), limit)
+    assert (problem is not None) == (depth > limit)
+    assert problem is None or f"more than {limit} levels" in problem
 
 
 def test_a_body_nested_too_deeply_is_refused():
@@ -87,3 +89,17 @@ def test_a_body_nested_too_deeply_is_refused():
     assert violation({"prompt": "x", "user": _nested(7)}, limits) is None  # the body object is level 1
     assert violation({"prompt": "x", "user": _nested(8)}, limits)[0] == "body"
     assert violation({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, limits) is None
+
+
+@pytest.mark.parametrize("raw", [b'{"temperature": NaN}', b'{"top_p": Infinity}', b'{"t": -Infinity}',
+                                 b'{"temperature": 1e400}', b'{"a": [1, 2e999]}'])
+def test_non_finite_numbers_are_not_json(raw):
+    with pytest.raises(ValueError):
+        parse_json(raw)
+
+
+def test_strings_must_be_unicode():
+    assert parse_json(b'{"t": 1e308, "n": 10000000000000000000000}') == {"t": 1e308, "n": 10**22}
+    for raw in (b'{"model": "\\ud800"}', b'{"\\udc00": 1}', b'{"messages": [{"content": ["x\\udfff"]}]}'):
+        assert "not valid Unicode" in violation(parse_json(raw), LIMITS)[1]
+    assert violation(parse_json(b'{"prompt": "\\ud83d\\ude00"}'), LIMITS) is None  # a paired escape: one emoji
