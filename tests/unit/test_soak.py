@@ -4,6 +4,7 @@ started / finished accounting of its log."""
 from __future__ import annotations
 
 import json
+import os
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -67,3 +68,30 @@ def test_log_counts_started_finished_cut(tmp_path):
     assert (c.started, c.ok, c.failed, c.cut, c.finished, c.in_flight) == (3, 1, 1, 1, 2, 0)
     assert c.failures == {"POST /v1/completions: 500": 1} and c.ttft == [(2.0, 120.0)] and c.first_start == 1.0
     assert LogReader(tmp_path / "missing.jsonl").poll() == LogCounts()
+
+
+def test_replica_processes_found_by_title_under_a_root(tmp_path):
+    """A child retitled as Ray titles a Serve replica is found under this process, by application; others are not."""
+    import subprocess
+    import sys
+    import time
+
+    from loadtest.soak import RssSampler, replica_processes
+
+    script = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(60)"
+    titles = ["ray::ServeReplica:dcut:EngineReplica.completions", "ray::ServeReplica:dcut:Ingress",
+              "ray::ServeReplica:other:EngineReplica"]
+    children = [subprocess.Popen([sys.executable, "-c", script, title]) for title in titles]
+    try:
+        deadline = time.monotonic() + 20
+        while len(replica_processes(os.getpid())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert set(replica_processes(os.getpid())) == {children[0].pid, children[2].pid}
+        assert replica_processes(os.getpid(), "dcut") == {children[0].pid: titles[0]}
+        sampler = RssSampler(os.getpid(), "dcut")
+        sampler.sample()
+        assert list(sampler.samples) == [children[0].pid] and sampler.latest_mib()[children[0].pid] > 0
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
