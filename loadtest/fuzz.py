@@ -79,28 +79,49 @@ def _sampling(cap: int) -> dict:
         "n": (st.integers(1, 3), edge_ints),
         "seed": (st.integers(0, 2**32), edge_ints),
         "stop": (st.one_of(words, st.lists(words, max_size=3)),
-                        st.sampled_from(["", [""], [None], [1, 2], ["a"] * 17, "\x00"])),
+                 st.sampled_from(["", [""], [None], [1, 2], ["a"] * 17, "\x00"])),
         "stop_token_ids": (st.lists(st.integers(0, 200), max_size=3), st.lists(edge_ints, max_size=3)),
         "presence_penalty": (st.floats(-2, 2), edge_floats),
         "frequency_penalty": (st.floats(-2, 2), edge_floats),
         "repetition_penalty": (st.floats(0.5, 2), edge_floats),
         "logit_bias": (st.dictionaries(st.integers(0, 200).map(str), st.floats(-100, 100), max_size=3),
-                              st.sampled_from([{"999999999": 100}, {"-1": 1}, {"abc": 1}, {"5": 1e308}])),
+                       st.sampled_from([{"999999999": 100}, {"-1": 1}, {"abc": 1}, {"5": 1e308}])),
         "min_tokens": (st.integers(0, 4), edge_ints),
         "ignore_eos": (st.booleans(), st.just("yes")),
         "skip_special_tokens": (st.booleans(), st.just(0)),
         "stream": (st.booleans(), st.sampled_from(["true", 1, None])),
         "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
-                                                                      "continuous_usage_stats": st.booleans()}),
-                                  st.sampled_from([{"include_usage": "x"}, [], "on"])),
+                                                               "continuous_usage_stats": st.booleans()}),
+                           st.sampled_from([{"include_usage": "x"}, [], "on"])),
         "user": (unicode_text, st.integers()),
         "response_format": (st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
-                                   st.sampled_from([{"type": "bogus"}, {"type": "json_schema"},
-                                                    {"type": "json_schema", "json_schema": {"name": "x",
-                                                                                            "schema": 5}},
-                                                    "json"])),
+                            st.sampled_from([{"type": "bogus"}, {"type": "json_schema"}, "json",
+                                             {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}])),
         "prompt_logprobs": (st.integers(0, 3), edge_ints),
     }
+
+
+def coherent(body: dict) -> dict:
+    """A valid body's fields made consistent with each other, as vLLM requires: stream options only when
+    streaming, no prompt logprobs when streaming, top_logprobs only with logprobs, tool_choice only with tools,
+    min_tokens <= max_tokens, no request-level chat template (this server does not trust them), sampling when
+    n > 1."""
+    body = dict(body)
+    if "stream_options" in body:
+        body["stream"] = True
+    if body.get("stream"):
+        body.pop("prompt_logprobs", None)
+    if "top_logprobs" in body:
+        body["logprobs"] = True
+    if "tool_choice" in body and "tools" not in body:
+        del body["tool_choice"]
+    body.pop("chat_template", None)
+    if body.get("n", 1) > 1 and body.get("temperature", 0) < 1e-5:  # several choices need sampling
+        body["temperature"] = 1.0
+    limit = min(body.get(k, 16) for k in ("max_tokens", "max_completion_tokens"))
+    if body.get("min_tokens", 0) > limit:
+        body["min_tokens"] = limit
+    return body
 
 
 def _fields(pairs: dict, valid: bool) -> dict:
@@ -136,7 +157,8 @@ def completion_bodies(model: str, cap: int = 8, valid: bool | None = None) -> st
     pairs = {**_sampling(cap), "echo": (st.booleans(), st.just("no")), "logprobs": (st.integers(0, 5), edge_ints),
              "suffix": (st.just(""), junk), "best_of": (st.just(1), edge_ints)}
     body = _body(model, _fields(pairs, valid), _fields({"prompt": prompt}, valid), valid)
-    return body.map(lambda b: bound_work(b, cap, chat=False))
+    body = body.map(lambda b: bound_work(b, cap, chat=False))
+    return body.map(coherent) if valid else body
 
 
 def _message(role_text: st.SearchStrategy, valid: bool) -> st.SearchStrategy:
@@ -172,7 +194,8 @@ def chat_bodies(model: str, cap: int = 8, valid: bool | None = None) -> st.Searc
              "chat_template": (st.just("{{ messages[0].content }}"), st.sampled_from(["{% bad", ""])),
              "chat_template_kwargs": (st.just({"enable_thinking": False}), st.sampled_from([[], "x"]))}
     body = _body(model, _fields(pairs, valid), _fields({"messages": messages}, valid), valid)
-    return body.map(lambda b: bound_work(b, cap, chat=True))
+    body = body.map(lambda b: bound_work(b, cap, chat=True))
+    return body.map(coherent) if valid else body
 
 
 def bound_work(body: dict, cap: int, chat: bool) -> dict:

@@ -89,3 +89,15 @@ def test_classify():
     assert classify(200, "text/event-stream", bad.encode()) == ("stream-error", None)
     fault = 'data: {"error": {"code": 500, "message": "x"}}\n\ndata: [DONE]\n\n'
     assert classify(200, "text/event-stream", fault.encode())[1] is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(completion_bodies("tiny", CAP, valid=True), chat_bodies("tiny", CAP, valid=True))
+def test_valid_bodies_pass_vllms_own_request_validation(completion, chat):
+    """The valid tier is valid to vLLM: its request classes accept it and build sampling parameters, so those cases
+    reach the engine (what they may still be refused for needs the model: token ids out of its vocabulary)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    CompletionRequest.model_validate(completion).to_sampling_params(CAP, {})
+    ChatCompletionRequest.model_validate(chat).to_sampling_params(CAP, {})
