@@ -165,7 +165,7 @@ class VLLMEngine:
             yield error_body(validation_message(e), 400, "BadRequestError")
             return
         except VLLMClientError as e:  # raised by vLLM's own validators, past pydantic (found by loadtest.fuzz)
-            yield error_body(str(e), int(getattr(e, "status_code", None) or 400), "BadRequestError")
+            yield client_error(e)
             return
         except Exception as e:  # noqa: BLE001 - anything else a validator raises is still about the body
             yield error_body(f"Invalid request: {type(e).__name__}: {e}", 400, "BadRequestError")
@@ -174,11 +174,11 @@ class VLLMEngine:
         try:
             try:
                 result = await create(request, None)
-            except (ValueError, VLLMClientError) as e:
-                yield error_body(str(e), int(getattr(e, "status_code", None) or 400), "BadRequestError")
-                return
-            except Exception as e:  # an engine fault: answer 500, keep the replica serving
-                logger.exception("engine fault")
+            except Exception as e:  # noqa: BLE001 - a client error (4xx) or an engine fault (500)
+                if (refused := client_error(e)) is not None:
+                    yield refused
+                    return
+                logger.exception("engine fault")  # answer 500, keep the replica serving
                 yield error_body(f"engine error: {e}", 500, "InternalServerError")
                 return
             if isinstance(result, ErrorResponse):
@@ -207,6 +207,19 @@ class VLLMEngine:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def client_error(e: Exception) -> dict | None:
+    """The OpenAI-style 4xx body for an exception that vLLM's serving layer counts as the client's (its
+    ``VLLMClientError`` family with their own status, ``ValueError``, ``TypeError``, ``OverflowError``, template
+    errors: vLLM's own ``create_error_response`` decides), or a feature this model does not implement (400, where
+    vLLM says 501); None for an engine fault."""
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    if isinstance(e, NotImplementedError):
+        return error_body(f"Not supported by this server: {str(e) or type(e).__name__}", 400, "BadRequestError")
+    response = create_error_response(e)
+    return response.model_dump() if response.error.code < 500 else None
 
 
 def validation_message(e) -> str:
