@@ -52,7 +52,8 @@ def _constant(name: str):
 
 def parse_json(raw: bytes) -> Any:
     """``raw`` parsed as strict JSON: ``NaN``/``Infinity`` and numbers that overflow a float are refused
-    (``ValueError``), so no non-finite value reaches sampling; deep nesting raises ``RecursionError``."""
+    (``ValueError``): vLLM checks most sampling fields for them, not all (a ``NaN`` ``logit_bias`` became -100).
+    Deep nesting raises ``RecursionError``."""
     return json.loads(raw, parse_float=_finite, parse_constant=_constant)
 
 
