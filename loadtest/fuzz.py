@@ -347,6 +347,7 @@ class FuzzReport:
     client_errors: dict[str, int] = field(default_factory=dict)  # transport failures (timeouts, resets)
     top_errors: dict[str, int] = field(default_factory=dict)     # the most frequent 4xx messages (cut at 80 chars)
     after: int | None = None                                   # status of the plain request afterwards
+    out_of_time: bool = False                                  # stopped at max_s before every case was sent
     duration_s: float = 0.0
     slowest_s: float = 0.0
 
@@ -356,11 +357,15 @@ class FuzzReport:
                 and self.cases > 0)
 
 
+class OutOfTime(Exception):
+    """The run's ``max_s`` passed: no more cases are sent."""
+
+
 def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int = 8,
-         progress=None) -> FuzzReport:
+         progress=None, max_s: float = 1200.0) -> FuzzReport:
     """Post every ``RAW_FIXED`` body to both routes, then ``n_cases`` hypothesis-drawn cases (generation only: every
     answer is recorded, nothing is shrunk), then one plain completion. ``client`` carries the base URL (127.0.0.1)
-    and the API key."""
+    and the API key. Bounded: no case is sent after ``max_s`` seconds (the report says ``out_of_time``)."""
     assert client.base_url.host in LOCAL, "fuzzing runs against this machine only"
     report = FuzzReport()
     statuses, outcomes, labels, transport, messages = (collections.Counter() for _ in range(5))
@@ -371,6 +376,9 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
 
     def send(case: Case) -> None:
         started = time.monotonic()
+        if started - t0 > max_s:
+            report.out_of_time = True
+            raise OutOfTime
         labels[case.label] += 1
         try:
             r = client.post(case.path, content=case.content, headers={"content-type": case.content_type})
@@ -393,17 +401,20 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
         if progress is not None and (done % 50 == 0 or done == total):
             progress(f"  {done}/{total} cases, {time.monotonic() - t0:.0f} s, statuses {dict(statuses)}")
 
-    for case in fixed:
-        send(case)
+    try:
+        for case in fixed:
+            send(case)
 
-    @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
-    @settings(max_examples=n_cases, database=None, deadline=None, phases=[Phase.generate], derandomize=False,
-              suppress_health_check=list(HealthCheck))
-    @given(cases(model, cap))
-    def drawn(case: Case) -> None:
-        send(case)
+        @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
+        @settings(max_examples=n_cases, database=None, deadline=None, phases=[Phase.generate], derandomize=False,
+                  suppress_health_check=list(HealthCheck))
+        @given(cases(model, cap))
+        def drawn(case: Case) -> None:
+            send(case)
 
-    drawn()
+        drawn()
+    except OutOfTime:
+        pass
     plain = {"model": model, "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}
     report.after = client.post("/v1/completions", json=plain).status_code
     report.cases = sum(labels.values())
@@ -424,6 +435,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-cap", type=int, default=8, help="Largest number of tokens a case may ask for.")
     p.add_argument("--timeout", type=float, default=120.0, help="Seconds one request may take.")
+    p.add_argument("--max-minutes", type=float, default=20.0, help="No case is sent after this.")
     p.add_argument("--out", type=Path, help="Write the report (JSON) here.")
     p.add_argument("--config", type=Path, help="Serve this config (`serve run`, its own local Ray) for the run.")
     opts = p.parse_args()
@@ -444,7 +456,7 @@ def main() -> None:
     try:
         with httpx.Client(base_url=opts.base_url, headers=headers, timeout=opts.timeout) as client:
             report = fuzz(client, opts.model, opts.cases, opts.seed, opts.max_tokens_cap,
-                          progress=lambda line: print(line, flush=True))
+                          progress=lambda line: print(line, flush=True), max_s=opts.max_minutes * 60)
     finally:
         if serve_process is not None:
             left = serve_process.stop()

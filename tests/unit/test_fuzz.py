@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,11 +17,13 @@ from loadtest.fuzz import (
     chat_bodies,
     classify,
     completion_bodies,
+    fuzz,
     openai_error,
     token_work,
 )
 
 CAP = 8
+PLAIN = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}  # what fuzz() sends last
 
 
 @settings(max_examples=300, deadline=None)
@@ -101,3 +104,36 @@ def test_valid_bodies_pass_vllms_own_request_validation(completion, chat):
 
     CompletionRequest.model_validate(completion).to_sampling_params(CAP, {})
     ChatCompletionRequest.model_validate(chat).to_sampling_params(CAP, {})
+
+
+def _stub_client(answer) -> httpx.Client:
+    return httpx.Client(base_url="http://127.0.0.1:1", transport=httpx.MockTransport(answer))
+
+
+def test_fuzz_loop_counts_every_answer_against_a_stub():
+    """The loop itself, against an in-process stub: a 400 for everything but the plain request afterwards."""
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.content.startswith(b'{"model":"tiny","prompt":"def add') and json.loads(request.content) == PLAIN:
+            return httpx.Response(200, json={"choices": []})
+        return httpx.Response(400, json={"error": {"message": "no", "type": "BadRequestError", "code": 400}})
+
+    with _stub_client(answer) as client:
+        report = fuzz(client, "tiny", n_cases=20, seed=1)
+    assert report.cases == 2 * len(RAW_FIXED) + 20 and report.statuses == {"400": report.cases}
+    assert report.ok and report.after == 200 and not report.out_of_time and report.top_errors == {"400 no": 88}
+
+
+def test_fuzz_loop_flags_5xx_and_bad_error_bodies_and_stops_at_its_deadline():
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(500, text="Internal Server Error") if len(calls) % 2 else httpx.Response(404, json={})
+
+    with _stub_client(answer) as client:
+        report = fuzz(client, "tiny", n_cases=10, seed=1)
+    assert report.server_errors == report.statuses["500"] > 0 and len(report.problems) == report.cases
+    assert not report.ok
+    with _stub_client(answer) as client:
+        stopped = fuzz(client, "tiny", n_cases=10, seed=1, max_s=0.0)
+    assert stopped.out_of_time and stopped.cases == 0 and not stopped.ok
