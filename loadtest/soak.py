@@ -222,7 +222,7 @@ class RssSampler(threading.Thread):
             self.samples.setdefault(pid, []).append((time.time(), rss))
 
     def latest_mib(self) -> dict[int, float]:
-        return {pid: round(s[-1][1] / 2**20) for pid, s in self.samples.items() if s}
+        return {pid: round(s[-1][1] / 2**20) for pid, s in list(self.samples.items()) if s}  # the thread adds
 
     def run(self) -> None:
         while not self._stop_event.is_set():
