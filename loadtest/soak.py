@@ -93,15 +93,17 @@ class RssGrowth:
                 "peak_mib": mib(self.peak), "growth_pct": self.growth_pct, "samples": self.samples}
 
 
-def rss_growth(samples: dict[int, list[tuple[float, int]]], names: dict[int, str],
-               warmup_end: float) -> list[RssGrowth]:
-    """Per process: baseline = first sample at or after ``warmup_end``, end = its last sample. A process first seen
-    after the warm-up (a replica started during the soak) has its first sample as baseline; one gone before the
-    warm-up ended has none."""
+def rss_growth(samples: dict[int, list[tuple[float, int]]], names: dict[int, str], warmup_end: float,
+               warmup_s: float = 0.0) -> list[RssGrowth]:
+    """Per process: baseline = its first sample at or after its own warm-up — ``warmup_end`` for a process there
+    from the start, ``warmup_s`` after it was first seen for one that appeared later (a replica the autoscaler
+    started during the soak: its first samples are its start-up) —, end = its last sample. A process gone (or
+    first seen too late) to have a sample after its warm-up has none."""
     out = []
     for pid, series in sorted(samples.items()):
         series = sorted(series)
-        after = [rss for t, rss in series if t >= warmup_end]
+        ready = max(warmup_end, series[0][0] + warmup_s)
+        after = [rss for t, rss in series if t >= ready]
         out.append(RssGrowth(pid=pid, name=names.get(pid, ""), baseline=after[0] if after else None,
                              end=after[-1] if after else None, peak=max(rss for _, rss in series),
                              samples=len(series)))
@@ -294,7 +296,7 @@ def run_soak(opts, root_pid: int | None, out_dir: Path) -> dict:
         sampler.stop()
     c = reader.poll()
     t0 = c.first_start or t_start
-    growth = rss_growth(sampler.samples, sampler.names, warmup_end)
+    growth = rss_growth(sampler.samples, sampler.names, warmup_end, opts.warmup_s)
     growths = [g.growth_pct for g in growth if g.growth_pct is not None]
     report = {
         "users": opts.users, "minutes": opts.minutes, "max_tokens": opts.max_tokens,

@@ -44,14 +44,17 @@ def test_rss_growth_from_the_first_sample_after_warmup():
     mib = 2**20
     samples = {
         11: [(0.0, 100 * mib), (50.0, 180 * mib), (60.0, 200 * mib), (120.0, 205 * mib), (600.0, 210 * mib)],
-        12: [(300.0, 100 * mib), (600.0, 103 * mib)],   # started during the soak: baseline = its first sample
+        # started during the soak: its own warm-up (60 s from first seen) passes its start-up
+        12: [(300.0, 10 * mib), (330.0, 100 * mib), (360.0, 100 * mib), (600.0, 103 * mib)],
         13: [(0.0, 100 * mib), (30.0, 100 * mib)],      # gone before the warm-up ended
+        14: [(580.0, 10 * mib), (600.0, 50 * mib)],     # started too late to be warm
     }
-    rows = {g.pid: g for g in rss_growth(samples, {11: "a"}, warmup_end=60.0)}
+    rows = {g.pid: g for g in rss_growth(samples, {11: "a"}, warmup_end=60.0, warmup_s=60.0)}
     assert rows[11].baseline == 200 * mib and rows[11].end == 210 * mib and rows[11].growth_pct == 5.0
     assert rows[11].peak == 210 * mib and rows[11].to_dict()["baseline_mib"] == 200.0
-    assert rows[12].growth_pct == 3.0
+    assert rows[12].baseline == 100 * mib and rows[12].growth_pct == 3.0
     assert rows[13].baseline is None and rows[13].growth_pct is None and rows[13].to_dict()["end_mib"] is None
+    assert rows[14].growth_pct is None and rows[14].peak == 50 * mib
 
 
 def test_log_counts_started_finished_cut(tmp_path):
