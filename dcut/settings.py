@@ -88,7 +88,7 @@ EMBEDDED_MODELS = {
     "deep": ("models/deep", "models/deep-dflash"),
     "moe": ("models/moe", "models/moe-dflash"),
 }
-DEFAULT_PAIR = "dense"
+DEFAULT_PAIR = "deep"  # in D-Cut's regime (models/deep/README.md, "Cost regime")
 
 
 class EngineSettings(BaseModel):
@@ -96,8 +96,8 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field("models/dense", description="Target model folder (local path).")
-    draft: str | None = Field("models/dense-dflash", description="Drafter folder; None for plain decoding.")
+    model: str = Field(EMBEDDED_MODELS[DEFAULT_PAIR][0], description="Target model folder (local path).")
+    draft: str | None = Field(EMBEDDED_MODELS[DEFAULT_PAIR][1], description="Drafter folder; None for plain decoding.")
     method: SpecMethod = Field("dflash", description="Speculative method; 'none' decodes without a drafter.")
     num_speculative_tokens: int = Field(15, ge=1, le=64, description="K, drafts per request per step.")
     spec_schedule: list[tuple[int, int, int]] | None = Field(

@@ -165,7 +165,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
-    p.add_argument("--model", default="dense")
+    p.add_argument("--model", help="served model name (default: the --config's served_model_name, else 'deep')")
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
@@ -181,11 +181,14 @@ def main() -> None:
         from loadtest.serve_process import ServeProcess
 
         args = yaml.safe_load(opts.config.read_text())["applications"][0]["args"]
+        opts.model = opts.model or args["engine"].get("served_model_name")
         serve_process = ServeProcess(opts.config, Path(tempfile.mkdtemp()) / "serve.log", opts.base_url,
                                      opts.api_key, cwd=opts.config.resolve().parent)
         serve_process.start()
         replicas = args["engine_replica"]["autoscaling"].get("initial_replicas") or 1
         print(f"served in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s")
+
+    opts.model = opts.model or "deep"
 
     async def run() -> KillReport:
         async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:

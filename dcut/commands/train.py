@@ -12,15 +12,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcut.settings import EMBEDDED_MODELS
+
 HELP = "Train the embedded models (tokenizer, Dense/deep/MoE targets, DFlash drafters) on the stdlib source."
 
 
 @dataclass(frozen=True)
 class Pair:
-    """One embedded target and its DFlash drafter: shapes and default time budgets (minutes)."""
+    """One embedded target and its DFlash drafter (folders: `dcut.settings.EMBEDDED_MODELS`): shapes and
+    default time budgets (minutes)."""
 
-    target: str
-    drafter: str
+    name: str
     target_shape: dict
     drafter_shape: dict
     target_minutes: float
@@ -28,19 +30,27 @@ class Pair:
     distill_minutes: float
     greedy_share: float = 0.5  # share of distillation batches drawn from the target's greedy output
 
+    @property
+    def target(self) -> str:
+        return Path(EMBEDDED_MODELS[self.name][0]).name
+
+    @property
+    def drafter(self) -> str:
+        return Path(EMBEDDED_MODELS[self.name][1]).name
+
 
 PAIRS = {
-    "dense": Pair("dense", "dense-dflash", {"kind": "dense"},
+    "dense": Pair("dense", {"kind": "dense"},
                   {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
                   20.0, 14.0, 8.0),
     # D-Cut's regime (issue 11): the target's forward, not the engine's per-step overhead, dominates
     # a plain step; a 1-layer drafter reading five target layers costs ~0.1 of the target per token.
-    "deep": Pair("deep", "deep-dflash",
+    "deep": Pair("deep",
                  {"kind": "dense", "hidden_size": 384, "num_hidden_layers": 16, "num_attention_heads": 6,
                   "num_key_value_heads": 2, "intermediate_size": 1024},
                  {"num_hidden_layers": 1, "intermediate_size": 1024, "target_layer_ids": [1, 5, 9, 12, 15]},
                  45.0, 8.0, 30.0, greedy_share=0.75),
-    "moe": Pair("moe", "moe-dflash", {"kind": "moe"},
+    "moe": Pair("moe", {"kind": "moe"},
                 {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
                 10.0, 7.0, 0.0),
 }
@@ -90,7 +100,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _common(p)
     p.add_argument("pair", choices=sorted(PAIRS))
     p.add_argument("--profile", required=True, help="cost_table.json from `dcut profile` of the pair")
-    p.add_argument("--sweep", required=True, help="sweep.json from `dcut sweep` of the pair (its `none` cells)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p = sub.add_parser("all", help="every stage in order, skipping finished ones, resuming checkpoints")
@@ -174,32 +183,38 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     return res
 
 
-def measure_regime(out: Path, runs: Path, kind: str, profile: Path, sweep: Path, num_prompts: int,
-                   max_tokens: int) -> dict:
-    """Cost figures from the pair's profile and plain-decoding sweep cells, acceptance at widths 1/3/7/15
+def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts: int, max_tokens: int) -> dict:
+    """Cost figures from the pair's profile and live plain decoding steps, acceptance at widths 1/3/7/15
     (15 from the pair's verification); saved as ``runs/regime-<target>.json`` for the cards."""
     from dcut.cli import CommandError
     from dcut.cost_table import CostTable
+    from dcut.machine import machine_info
+    from dcut.settings import engine_env
     from dcut.train import regime as R
 
-    for path in (profile, sweep):
-        if not path.exists():
-            raise CommandError(f"{path} not found")
-    sw = json.loads(sweep.read_text())
-    plain = {r["bs"]: r["tokens_per_s"] for r in sw["results"] if r["mode"] == "none"}
-    rows = R.cost_figures(CostTable.load(profile), plain)
+    if not profile.exists():
+        raise CommandError(f"{profile} not found")
     tname = PAIRS[kind].target
+    steps_json = runs / f"plain-steps-{tname}.json"
+    cmd = [sys.executable, "-m", "dcut.train.regime", "--target", str(out / tname), "--prompts",
+           str(out / "heldout_prompts.jsonl"), "--json", str(steps_json)]
+    proc = subprocess.run(cmd, env={**os.environ, **engine_env()}, capture_output=True, text=True)
+    if proc.returncode:
+        raise CommandError(f"plain decoding steps failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    plain = {int(bs): ms for bs, ms in json.loads(steps_json.read_text()).items()}
+    rows = R.cost_figures(CostTable.load(profile), plain)
     acceptance = {}
-    for w in R.WIDTHS:
-        full = runs / f"verify-{tname}.json"
-        res = json.loads(full.read_text()) if w == 15 and full.exists() else \
-            verify_pair(out, runs, kind, num_prompts, max_tokens, k=w)
+    for w in R.WIDTHS:  # a measurement already made for this pair is reused (`dcut train verify` removes stale ones)
+        done = runs / (f"verify-{tname}.json" if w == 15 else f"verify-{tname}-k{w}.json")
+        res = json.loads(done.read_text()) if done.exists() else verify_pair(out, runs, kind, num_prompts,
+                                                                             max_tokens, k=w)
         acceptance[w] = {"acceptance_per_pos": res["acceptance_per_pos"],
                          "mean_accepted_per_step": res["mean_accepted_per_step"]}
-    source = (f"Costs: `{profile}` (the engine's own dummy steps, `dcut profile`) and the `none` cells of `{sweep}` "
-              f"(`dcut sweep`: live plain decoding, step = bs / tokens per s, prefill included); acceptance: "
+    source = (f"Costs: `{profile}` (the engine's own dummy steps, `dcut profile`); live plain decoding step: "
+              f"`python -m dcut.train.regime` (vLLM's default compilation, prefill excluded: "
+              f"(T({R.LONG} tokens) - T({R.SHORT} tokens)) / {R.LONG - R.SHORT}); acceptance: "
               f"`python -m dcut.train.verify -k W`, greedy, {num_prompts} held-out prompts × {max_tokens} tokens, "
-              f"bs 8; machine: {sw.get('machine', {}).get('cpu', 'this machine')}.")
+              f"bs 8; machine: {machine_info()['cpu']} ({machine_info()['cores']} cores).")
     record = {"rows": rows, "acceptance": acceptance, "source": source, "in_regime": R.in_regime(rows)}
     (runs / f"regime-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -251,7 +266,7 @@ def run(args) -> int:
         verify_pair(out, runs, args.pair, args.num_prompts, args.max_tokens)
         C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
     elif stage == "regime":
-        measure_regime(out, runs, args.pair, Path(args.profile), Path(args.sweep), args.num_prompts, args.max_tokens)
+        measure_regime(out, runs, args.pair, Path(args.profile), args.num_prompts, args.max_tokens)
         C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
     elif stage == "all":
         P.stage_tokenizer(out, runs)

@@ -122,6 +122,7 @@ Command: `{command}` (seed {info['seed']}).
 fp32 on {info.get('threads', 1)} CPU thread(s) of a shared 2-core machine,
 {info['train_seconds'] / 60:.1f} min.
 {_loss_line(info)}; held-out loss {ev.get('heldout_loss', float('nan')):.3f} nats/token.
+{info.get('note', '')}
 Quality: heavily undertrained ({info.get('threads', 1)} CPU thread(s) of a 2-core machine shared with other work,
 about {info['tokens_seen'] / meta['train_tokens']:.1f} epoch); greedy output soon falls into repetition loops, which is
 also part of why drafts get accepted.

@@ -180,7 +180,8 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
                        "steps": state["step"],
                        "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
                        "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}
-    (runs / f"verify-{target_name}.json").unlink(missing_ok=True)
+    for stale in runs.glob(f"verify-{target_name}*.json"):  # measured with the drafter before this fine-tune
+        stale.unlink()
     _mark_done(folder, info)
     return info
 

@@ -5,16 +5,42 @@ plain step, the drafter at width 15 is <= 1.5 plain steps at bs 16)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+import time
+
 from dcut.cost_table import CostTable
 
 BATCH_SIZES = (1, 16, 64)
 WIDTHS = (1, 3, 7, 15)
+SHORT, LONG = 8, 72  # decode lengths whose difference times LONG - SHORT pure decode steps
 
 
-def cost_figures(table: CostTable, plain_tokens_per_s: dict[int, float], k: int = 15) -> dict[int, dict]:
+def plain_decode_steps(target: str, prompts: list[str], batch_sizes=BATCH_SIZES) -> dict[int, float]:
+    """Live plain decoding step (ms) per batch size, prefill excluded: the same batch generates SHORT
+    and LONG tokens (greedy, EOS ignored) on an engine at vLLM's default compilation; prefill and
+    start-up cancel in the difference, ``(T_long - T_short) / (LONG - SHORT)``. Run in a ``__main__``."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=target, dtype="float32", max_model_len=1024, max_num_seqs=max(batch_sizes), seed=0)
+    out = {}
+    for bs in batch_sizes:
+        batch = (prompts * bs)[:bs]
+        times = {}
+        for n in (SHORT, LONG, SHORT, LONG):  # the first pair warms the batch shape up
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            times[n] = time.perf_counter() - start
+        out[bs] = 1000.0 * (times[LONG] - times[SHORT]) / (LONG - SHORT)
+    return out
+
+
+def cost_figures(table: CostTable, plain_step_ms: dict[int, float], k: int = 15) -> dict[int, dict]:
     """Per batch size: the profiled forward of a plain step and of full-width verification, the drafter's
-    pass per width (ms), and the live plain step (``bs / tokens_per_s`` of plain decoding) whose
-    remainder over the forward is the engine's fixed per-step overhead."""
+    pass per width (ms), and the live plain decoding step (`plain_decode_steps`) whose remainder over
+    the forward is the engine's fixed per-step overhead."""
     rows = {}
     for bs in BATCH_SIZES:
         forward = table.lookup(bs, bs)
@@ -23,9 +49,8 @@ def cost_figures(table: CostTable, plain_tokens_per_s: dict[int, float], k: int 
             continue
         row = {"forward_ms": forward, "full_verify_ms": full,
                "draft_ms": {w: table.draft_cost(bs, w) for w in WIDTHS}}
-        tps = plain_tokens_per_s.get(bs)
-        if tps:
-            step = 1000.0 * bs / tps
+        step = plain_step_ms.get(bs)
+        if step:
             row |= {"plain_step_ms": step, "overhead_ms": max(0.0, step - forward), "forward_share": forward / step,
                     "full_over_plain": full / step, "draft15_over_plain": (row["draft_ms"][15] or 0.0) / step}
         rows[bs] = row
@@ -75,3 +100,22 @@ def regime_section(rows: dict[int, dict], acceptance: dict[int, dict], source: s
             lines.append(f"| {w} | {a['mean_accepted_per_step']:.2f} | "
                          + " | ".join("" if v is None else f"{v:.2f}" for v in per) + " |")
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dcut.train.regime --target DIR --prompts FILE --json OUT``: `plain_decode_steps` as JSON."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--prompts", required=True, help="jsonl with {'prompt': ...}")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args(argv)
+    with open(a.prompts) as fh:
+        prompts = [json.loads(line)["prompt"] for line in fh if line.strip()]
+    steps = plain_decode_steps(a.target, prompts)
+    with open(a.json, "w") as fh:
+        json.dump({str(bs): ms for bs, ms in steps.items()}, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
