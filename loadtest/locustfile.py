@@ -48,6 +48,8 @@ import gevent
 from gevent.pool import Group
 from locust import FastHttpUser, events, task
 
+from dcut.prompts import load_prompts
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "models" / "heldout_prompts.jsonl"
 SSE_TYPE = "SSE"
 
@@ -129,13 +131,6 @@ def parse_range(text: str, cast=int) -> tuple:
     if hi < lo:
         raise ValueError(f"range {text!r}: MAX < MIN")
     return lo, hi
-
-
-def load_prompts(path: str | Path) -> list[str]:
-    prompts = [json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
 
 
 def error_message(status: int, body: bytes | str | None) -> str:

@@ -7,14 +7,12 @@ import hashlib
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from dcut.settings import DCutSettings, EngineSettings
 from dcut.snapshot import DCutSnapshot, WindowSummary
 
 GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request", "joint")
-DEFAULT_PROMPTS = Path("models/heldout_prompts.jsonl")
 
 
 def settings_for_mode(mode: str, base: EngineSettings) -> EngineSettings:
@@ -26,25 +24,6 @@ def settings_for_mode(mode: str, base: EngineSettings) -> EngineSettings:
     if mode == "none":
         return base.model_copy(update={"method": "none", "draft": None, "dcut": None})
     return base.model_copy(update={"dcut": dcut.model_copy(update={"mode": mode})})
-
-
-def load_prompts(path: str | Path) -> list[str]:
-    """Prompts from a ``.jsonl`` file (``{"prompt": ...}`` per line) or a text file (one per line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if path.suffix == ".jsonl":
-        prompts = []
-        for i, ln in enumerate(lines, 1):
-            try:
-                prompts.append(json.loads(ln)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' string ({e})") from e
-        lines = prompts
-    if not lines:
-        raise ValueError(f"no prompts in {path}")
-    return lines
 
 
 def _dcut_fields(stats: DCutSnapshot | None, window: WindowSummary | None) -> dict[str, Any]:

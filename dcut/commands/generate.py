@@ -7,9 +7,10 @@ import json
 
 from pydantic import ValidationError
 
-from dcut.bench.generate import DEFAULT_PROMPTS, GENERATE_MODES, generate, load_prompts, settings_for_mode
+from dcut.bench.generate import GENERATE_MODES, generate, settings_for_mode
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
+from dcut.prompts import DEFAULT_PROMPTS, load_prompts
 
 HELP = "Generate offline with vLLM (modes none/full/fixed/auto/continuous) and report the figures."
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dcut.bench.generate import DEFAULT_PROMPTS, load_prompts
 from dcut.bench.sweep import REPEATS, SWEEP_MODES, SweepError, sweep
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
+from dcut.prompts import DEFAULT_PROMPTS, load_prompts
 
 HELP = "Batch-size sweep of none/full/dynamic/per_request/auto/continuous/joint; table, JSON and plots."
 

@@ -143,6 +143,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     """vLLM check in a subprocess (vLLM needs a __main__ guard) drafting ``k`` positions per step,
     plus (at the full block) the PyTorch replay."""
     from dcut.cli import CommandError
+    from dcut.prompts import load_prompts
     from dcut.settings import engine_env
     from dcut.train import loop as L
     from dcut.train import models as M
@@ -173,7 +174,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
                       f"--num-prompts {num_prompts} --max-tokens {max_tokens} -k {k}")
     res["seconds"] = round(time.time() - t0, 1)
     if k == 15:
-        prompts = [json.loads(x)["prompt"] for x in prompts_file.read_text().splitlines() if x.strip()][:num_prompts]
+        prompts = load_prompts(prompts_file)[:num_prompts]
         target = P.load_target(out / tname)
         drafter = M.load_drafter(out / dname, M.spec_from_hf_config(target.config))
         res["offline"] = V.offline_acceptance(target, drafter, TK.load_tokenizer(out / tname), prompts, max_tokens)

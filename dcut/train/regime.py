@@ -11,6 +11,7 @@ import sys
 import time
 
 from dcut.cost_table import CostTable
+from dcut.prompts import load_prompts
 
 BATCH_SIZES = (1, 16, 64)
 WIDTHS = (1, 3, 7, 15)
@@ -109,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", required=True, help="jsonl with {'prompt': ...}")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
-    with open(a.prompts) as fh:
-        prompts = [json.loads(line)["prompt"] for line in fh if line.strip()]
-    steps = plain_decode_steps(a.target, prompts)
+    steps = plain_decode_steps(a.target, load_prompts(a.prompts))
     with open(a.json, "w") as fh:
         json.dump({str(bs): ms for bs, ms in steps.items()}, fh)
     return 0

@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from dcut.prompts import load_prompts
+
 
 def _environment() -> None:
     from dcut.settings import engine_env
@@ -120,8 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=15)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    with open(a.prompts) as fh:
-        prompts = [json.loads(line)["prompt"] for line in fh if line.strip()][: a.num_prompts]
+    prompts = load_prompts(a.prompts)[: a.num_prompts]
     res = run_verify(a.target, a.drafter, prompts, a.max_tokens, a.num_speculative_tokens)
     res.pop("outputs", None)
     text = json.dumps(res, indent=2)
