@@ -66,13 +66,19 @@ class DCutPolicy:
         return desired, decision.model_dump()
 
 
+def replicas_needed(demand: float, capacity_per_replica: float, target_utilization: float) -> int:
+    """Replicas that serve ``demand`` tokens/s at the target utilisation (the float slack keeps an exact
+    multiple, e.g. 0.1 x 100 / 10, from rounding up to one replica too many)."""
+    return math.ceil(demand / (capacity_per_replica * target_utilization) - 1e-9)
+
+
 def decide(current: int, demand: float, capacity_per_replica: float, target_utilization: float,
            hysteresis: float) -> tuple[int, ScalingRule]:
     """The replica count for ``demand`` tokens/s, with a dead band below the target utilisation, and the
     rule that chose it (the status page shows it as the decision's reason)."""
     if capacity_per_replica <= 0:
         return current, "no_estimates"
-    needed = math.ceil(demand / (capacity_per_replica * target_utilization) - 1e-9)
+    needed = replicas_needed(demand, capacity_per_replica, target_utilization)
     if current <= 0:
         return (max(needed, 1) if demand > 0 else 0), "cold"
     utilization = demand / (capacity_per_replica * current)

@@ -7,7 +7,6 @@ wait for the replica that already profiles the same fingerprint); computes clust
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict
 
@@ -15,7 +14,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from dcut.cost_table import CostTable
-from deployments.autoscaling import read_log
+from deployments.autoscaling import read_log, replicas_needed
 from deployments.history import History
 from deployments.records import CostTableOffer, ReplicaReport
 from deployments.settings import AutoscalingSettings, ControllerSettings
@@ -90,7 +89,7 @@ class DCutController:
         demand = sum(r.demand_tokens_per_s for r in reports)
         per_replica = capacity / len(reports) if reports else 0.0
         u = self.autoscaling.target_utilization
-        suggested = math.ceil(demand / (per_replica * u)) if per_replica > 0 else None
+        suggested = replicas_needed(demand, per_replica, u) if per_replica > 0 else None
         replicas = []
         for r in reports:
             snap = r.dcut
