@@ -30,13 +30,11 @@ logger = logging.getLogger("ray.serve")
 class DCutPolicy:
     """Ray Serve 2.60 class-callable policy; ``policy_kwargs`` from the config reach ``__init__``."""
 
-    def __init__(self, target_utilization: float = 0.7, hysteresis: float = 0.2,
-                 queued_request_tokens_per_s: float | None = None):
+    def __init__(self, target_utilization: float = 0.7, hysteresis: float = 0.2):
         if not 0 < target_utilization <= 1 or not 0 <= hysteresis < 1:
             raise ValueError("need 0 < target_utilization <= 1 and 0 <= hysteresis < 1")
         self.target_utilization = target_utilization
         self.hysteresis = hysteresis
-        self.queued_request_tokens_per_s = queued_request_tokens_per_s
         self._log = DecisionLog()
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
@@ -48,12 +46,9 @@ class DCutPolicy:
         reported = float(sum(demands.values()))
         demand = reported
         queued = float(ctx.total_queued_requests or 0.0)
-        if queued > 0:
-            rate = self.queued_request_tokens_per_s
-            if rate is None:  # the per-request rate the replicas plan with, from their own reports
-                running = max(float(ctx.total_num_requests or 0.0) - queued, 1.0)
-                rate = reported / running if reported else per_replica * self.target_utilization
-            demand += queued * rate
+        if queued > 0:  # queued requests are owed the per-request rate the replicas plan with
+            running = max(float(ctx.total_num_requests or 0.0) - queued, 1.0)
+            demand += queued * (reported / running if reported else per_replica * self.target_utilization)
         desired, rule = decide(current, demand, per_replica, self.target_utilization, self.hysteresis)
         decision = ScalingDecision(
             at=ctx.current_time, replicas=current, desired=desired,
@@ -143,10 +138,3 @@ def read_log(app_name: str) -> ScalingLog:
         if internal_kv._internal_kv_initialized() else None
     return ScalingLog.model_validate_json(raw) if raw else ScalingLog()
 
-
-_default = DCutPolicy()
-
-
-def dcut_policy(ctx) -> tuple[int, dict[str, Any]]:
-    """Function form with default knobs (target utilisation 0.7, hysteresis 0.2)."""
-    return _default(ctx)

@@ -8,7 +8,7 @@ import pytest
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling import DCutPolicy, dcut_policy, decide
+from deployments.autoscaling import DCutPolicy, decide
 from deployments.records import CAPACITY_KEY, DEMAND_KEY
 
 
@@ -66,7 +66,6 @@ def test_policy_counts_requests_queued_at_handles():
 def test_policy_holds_without_estimates():
     c = ctx(3, [], [])
     assert DCutPolicy()(c)[0] == 3
-    assert dcut_policy(c)[0] == 3
 
 
 def test_serve_wrapper_applies_bounds_and_delays():
