@@ -430,7 +430,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
-    p.add_argument("--model", default="dense")
+    p.add_argument("--model", default="", help="Default: the config's served model name, else the app's first.")
     p.add_argument("--cases", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-cap", type=int, default=8, help="Largest number of tokens a case may ask for.")
@@ -448,6 +448,7 @@ def main() -> None:
         from loadtest.serve_process import ServeProcess
 
         args = yaml.safe_load(opts.config.read_text())["applications"][0]["args"]
+        opts.model = opts.model or args["engine"].get("served_model_name") or args["engine"]["model"]
         serve_process = ServeProcess(opts.config, Path(tempfile.mkdtemp()) / "serve.log", opts.base_url,
                                      opts.api_key, cwd=opts.config.resolve().parent)
         serve_process.start()
@@ -455,6 +456,7 @@ def main() -> None:
         print(f"served in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s", flush=True)
     try:
         with httpx.Client(base_url=opts.base_url, headers=headers, timeout=opts.timeout) as client:
+            opts.model = opts.model or client.get("/v1/models").json()["data"][0]["id"]
             report = fuzz(client, opts.model, opts.cases, opts.seed, opts.max_tokens_cap,
                           progress=lambda line: print(line, flush=True), max_s=opts.max_minutes * 60)
     finally:
@@ -462,8 +464,8 @@ def main() -> None:
             left = serve_process.stop()
             if left:
                 print("killed by hand:", left)
-    out = {**asdict(report), "ok": report.ok, "seed": opts.seed, "max_tokens_cap": opts.max_tokens_cap,
-           "cases_per_s": round(report.cases / max(report.duration_s, 1e-9), 2)}
+    out = {**asdict(report), "ok": report.ok, "model": opts.model, "seed": opts.seed,
+           "max_tokens_cap": opts.max_tokens_cap, "cases_per_s": round(report.cases / max(report.duration_s, 1e-9), 2)}
     text = json.dumps(out, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
     print(text)
     if opts.out:
