@@ -6,35 +6,54 @@ import argparse
 import os
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from dcut.cli import CommandError
 from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings, engine_env
 
+# Flags that set a field of EngineSettings / DCutSettings: unset flags stay None, so the pydantic
+# defaults (named in each flag's help) are the only defaults.
+_ENGINE_FIELDS = {"method": "method", "k": "num_speculative_tokens", "spec_schedule": "spec_schedule",
+                  "tp": "tensor_parallel_size", "dtype": "dtype", "max_model_len": "max_model_len",
+                  "enforce_eager": "enforce_eager"}
+_DCUT_FIELDS = ("fixed_ratio", "per_request_depth", "count_bonus", "calibrate", "cost_table", "cache_dir",
+                "zero_width", "widths")
+
+
+def _default(model: type[BaseModel], field: str) -> str:
+    return f" (default: {model.model_fields[field].get_default(call_default_factory=True)})"
+
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    e = lambda field: _default(EngineSettings, field)  # noqa: E731
+    d = lambda field: _default(DCutSettings, field)  # noqa: E731
     parser.add_argument("--pair", choices=sorted(EMBEDDED_MODELS), default=DEFAULT_PAIR,
                         help=f"embedded target/drafter pair (default: {DEFAULT_PAIR}); --model/--draft override it")
     parser.add_argument("--model", help="target model folder (default: the --pair's target)")
     parser.add_argument("--draft", help="drafter folder (default: the --pair's DFlash drafter)")
-    parser.add_argument("--method", default="dflash", choices=["dflash", "draft_model"])
-    parser.add_argument("--k", type=int, default=15, help="drafts per request per step")
-    parser.add_argument("--spec-schedule", type=parse_schedule, default=None,
+    parser.add_argument("--method", choices=["dflash", "draft_model"], help="speculative method" + e("method"))
+    parser.add_argument("--k", type=int, help="drafts per request per step" + e("num_speculative_tokens"))
+    parser.add_argument("--spec-schedule", type=parse_schedule,
                         help="vLLM dynamic speculation, e.g. '1-4:15,5-16:7,17-64:3' (bs range: K)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--fixed-ratio", type=float, default=0.5, help="keep ratio of --mode fixed")
-    parser.add_argument("--per-request-depth", type=int, default=4, help="drafts per request of --mode per_request")
-    parser.add_argument("--count-bonus", action=argparse.BooleanOptionalAction, default=True,
-                        help="count bonus tokens in U's numerator (--no-count-bonus: the reference's U)")
-    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
-                        help="calibrate confidences online against observed acceptance (--no-calibrate: raw)")
+    parser.add_argument("--tp", type=int, help="tensor-parallel size" + e("tensor_parallel_size"))
+    parser.add_argument("--dtype", help="model dtype" + e("dtype"))
+    parser.add_argument("--max-model-len", type=int, help="context length" + e("max_model_len"))
+    parser.add_argument("--fixed-ratio", type=float, help="keep ratio of --mode fixed" + d("fixed_ratio"))
+    parser.add_argument("--per-request-depth", type=int,
+                        help="drafts per request of --mode per_request" + d("per_request_depth"))
+    parser.add_argument("--count-bonus", action=argparse.BooleanOptionalAction,
+                        help="count bonus tokens in U's numerator (--no-count-bonus: the reference's U)"
+                        + d("count_bonus"))
+    parser.add_argument("--calibrate", action=argparse.BooleanOptionalAction,
+                        help="calibrate confidences online against observed acceptance (--no-calibrate: raw)"
+                        + d("calibrate"))
     parser.add_argument("--cost-table", help="cost table JSON to use instead of profiling")
     parser.add_argument("--cache-dir", help="where profiled cost tables are cached")
-    parser.add_argument("--zero-width", choices=["catch_up", "vllm"], default="catch_up",
-                        help="--mode joint: how a width-0 step keeps the drafter in sync")
-    parser.add_argument("--widths", type=lambda t: [int(w) for w in t.split(",")], default=None,
+    parser.add_argument("--zero-width", choices=["catch_up", "vllm"],
+                        help="--mode joint: how a width-0 step keeps the drafter in sync" + d("zero_width"))
+    parser.add_argument("--widths", type=lambda t: [int(w) for w in t.split(",")],
                         help="--mode joint: the widths it may draft, e.g. 0 to pin width 0 (default 0,1,2,3,5,7,11,15)")
-    parser.add_argument("--enforce-eager", action="store_true",
+    parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="run eagerly (vLLM's default, used otherwise, compiles: slower start, faster steps)")
 
 
@@ -66,12 +85,8 @@ def engine_settings(args: argparse.Namespace, need_draft: bool = True) -> Engine
     for path in (args.model, args.draft) if need_draft else (args.model,):
         if not Path(path).is_dir():
             raise CommandError(f"model folder not found: {path}")
-    engine_environment(args.tp)
-    dcut = DCutSettings(fixed_ratio=args.fixed_ratio, per_request_depth=args.per_request_depth,
-                        count_bonus=args.count_bonus, calibrate=args.calibrate,
-                        cost_table=args.cost_table, cache_dir=args.cache_dir, zero_width=args.zero_width,
-                        widths=args.widths)
-    return EngineSettings(model=args.model, draft=args.draft, method=args.method, num_speculative_tokens=args.k,
-                          spec_schedule=args.spec_schedule, tensor_parallel_size=args.tp, dtype=args.dtype,
-                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                          dcut=dcut)
+    dcut = DCutSettings(**{f: v for f in _DCUT_FIELDS if (v := getattr(args, f)) is not None})
+    settings = EngineSettings(model=args.model, draft=args.draft, dcut=dcut, **{
+        field: v for flag, field in _ENGINE_FIELDS.items() if (v := getattr(args, flag)) is not None})
+    engine_environment(settings.tensor_parallel_size)
+    return settings

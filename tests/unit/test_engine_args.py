@@ -40,3 +40,17 @@ def test_schedule_parses_or_says_what_it_expected():
     assert parse_schedule("1-4:15,5-64:3") == [(1, 4, 15), (5, 64, 3)]
     with pytest.raises(argparse.ArgumentTypeError, match="lo-hi:K"):
         parse_schedule("1:15")
+
+
+def test_unset_flags_leave_the_settings_defaults_and_set_ones_pass_through(monkeypatch, tmp_path):
+    from dcut.settings import DCutSettings, EngineSettings
+
+    for folder in EMBEDDED_MODELS["deep"]:
+        (tmp_path / folder).mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    s = engine_settings(_parse("--pair", "deep"))
+    assert s.model_dump(exclude={"model", "draft"}) == EngineSettings().model_dump(exclude={"model", "draft"})
+    s = engine_settings(_parse("--pair", "deep", "--k", "7", "--tp", "2", "--no-calibrate", "--fixed-ratio", "0.3",
+                               "--enforce-eager"))
+    assert (s.num_speculative_tokens, s.tensor_parallel_size, s.enforce_eager) == (7, 2, True)
+    assert (s.dcut.calibrate, s.dcut.fixed_ratio, s.dcut.zero_width) == (False, 0.3, DCutSettings().zero_width)
