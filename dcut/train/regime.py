@@ -22,9 +22,11 @@ def plain_decode_steps(target: str, prompts: list[str], batch_sizes=BATCH_SIZES)
     """Live plain decoding step (ms) per batch size, prefill excluded: the same batch generates SHORT
     and LONG tokens (greedy, EOS ignored) on an engine at vLLM's default compilation; prefill and
     start-up cancel in the difference, ``(T_long - T_short) / (LONG - SHORT)``. Run in a ``__main__``."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    llm = LLM(model=target, dtype="float32", max_model_len=1024, max_num_seqs=max(batch_sizes), seed=0)
+    from dcut.train.verify import check_engine
+
+    llm = check_engine(target, max_num_seqs=max(batch_sizes), eager=False)
     out = {}
     for bs in batch_sizes:
         batch = (prompts * bs)[:bs]

@@ -23,6 +23,20 @@ def _environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def check_engine(target: str, drafter: str | None = None, k: int = 15, max_num_seqs: int = 8, eager: bool = True,
+         **extra):
+    """An engine for the checks, through the project's one engine-argument builder (no D-Cut)."""
+    from vllm import LLM
+
+    from dcut.settings import EngineSettings
+    from dcut.vllm.engine import engine_kwargs
+
+    settings = EngineSettings(model=target, draft=drafter, method="dflash" if drafter else "none",
+                              num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=1024,
+                              enforce_eager=eager, dcut=None)
+    return LLM(**engine_kwargs(settings), **extra)
+
+
 def _metrics(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
@@ -45,14 +59,12 @@ def _delta(after: dict, before: dict) -> dict:
 def run_verify(target: str, drafter: str | None, prompts: list[str], max_tokens: int, k: int,
                max_num_seqs: int = 8) -> dict:
     _environment()
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    common = dict(dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=max_num_seqs,
-                  seed=0, disable_log_stats=False)
     res: dict = {"target": target, "drafter": drafter, "num_prompts": len(prompts), "max_tokens": max_tokens}
     t0 = time.time()
-    llm = LLM(model=target, **common)
+    llm = check_engine(target, max_num_seqs=max_num_seqs, disable_log_stats=False)
     base = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     res["plain_seconds"] = round(time.time() - t0, 1)
     del llm
@@ -63,8 +75,7 @@ def run_verify(target: str, drafter: str | None, prompts: list[str], max_tokens:
         res["outputs"] = [list(b) for b in base]
         return res
     t0 = time.time()
-    llm = LLM(model=target, speculative_config={"method": "dflash", "model": drafter, "num_speculative_tokens": k},
-              **common)
+    llm = check_engine(target, drafter, k, max_num_seqs=max_num_seqs, disable_log_stats=False)
     before = _metrics(llm)
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     m = _delta(_metrics(llm), before)
@@ -89,13 +100,13 @@ def generate_greedy_vllm(target: str, tokens_npy: str, n: int, prompt_len: int, 
     of prompt_len tokens from the training split, continued greedily to total_len tokens."""
     _environment()
     import numpy as np
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     tokens = np.load(tokens_npy, mmap_mode="r")
     rng = np.random.default_rng([seed, 777])
     starts = rng.integers(0, len(tokens) - prompt_len - 1, size=n)
     prompts = [{"prompt_token_ids": [int(t) for t in tokens[s:s + prompt_len]]} for s in starts]
-    llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=64, seed=0)
+    llm = check_engine(target, max_num_seqs=64)
     sp = SamplingParams(temperature=0.0, max_tokens=total_len - prompt_len, ignore_eos=True)
     outs = llm.generate(prompts, sp)
     seqs = [list(p["prompt_token_ids"]) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
