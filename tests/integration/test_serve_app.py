@@ -46,6 +46,15 @@ def _args(models: dict, cache_dir, **replica) -> dict:
     }
 
 
+def _wait_until(condition, timeout_s: float, what: str, every_s: float = 0.5) -> None:
+    """Poll ``condition`` until it holds; fail the test (or fixture) at the deadline, naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(every_s)
+
+
 @pytest.fixture(scope="module")
 def apps(ray_cluster, tiny_models, tmp_path_factory):
     from ray import serve
@@ -63,13 +72,8 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     t0 = time.monotonic()
     serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
                     serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
-    # Both engine replicas have reported to the controller.
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        status = httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()
-        if len(status["replicas"]) == 2:
-            break
-        time.sleep(1)
+    _wait_until(lambda: len(httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()["replicas"]) == 2,
+                120, "both engine replicas reporting to the controller")
     print(f"apps ready in {time.monotonic() - t0:.1f} s")
     yield
     serve.delete("scale")
@@ -187,7 +191,9 @@ def test_engine_fault_is_500_and_replica_survives(client):
     for _ in range(4):  # both replicas still answer
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}
                            ).status_code == 200
-    time.sleep(2)
+    after = time.monotonic()  # the replicas report again after the faults: neither was replaced
+    _wait_until(lambda: all(r["age_s"] < time.monotonic() - after for r in _status(client)["replicas"]), 10,
+                "fresh report from every replica")
     assert {r["replica_id"] for r in _status(client)["replicas"]} == before
 
 
@@ -275,7 +281,8 @@ def test_capacity_and_demand_from_dcut_estimates(client):
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
     for _ in range(4):  # both replicas step with D-Cut on
         assert client.post("/v1/completions", json=body).status_code == 200
-    time.sleep(2.5)  # two telemetry reports
+    _wait_until(lambda: all(r["steps"] and r["capacity_from"] == "estimates" and r["demand_tokens_per_s"] == 0.0
+                            for r in _status(client)["replicas"]), 15, "telemetry of the steps from every replica")
     status = _status(client)
     rate = status["cluster"]["request_tokens_per_s"]
     for r in status["replicas"]:
