@@ -1,5 +1,5 @@
-"""Sampling at temperature 1 with D-Cut keeps the target's distribution (rejection sampling is
-unchanged; D-Cut only shortens drafts, using information from the drafter alone)."""
+"""Sampling at temperature 1: D-Cut leaves vLLM's verification as it is (it only shortens drafts, using
+information from the drafter alone), so a cut samples as if fewer drafts had been proposed."""
 
 from __future__ import annotations
 
