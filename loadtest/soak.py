@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,9 @@ import httpx
 import psutil
 
 LOCAL = ("127.0.0.1", "localhost")
-REPLICA_TITLE = "ray::ServeReplica:"
+# Ray titles a Serve replica's process "ray::ServeReplica:<app>:<deployment>[.<method>]", or, while a method runs
+# with the actor's name, "ray::SERVE_REPLICA::<app>#<deployment>#<id>:ServeReplica:<app>:<deployment>.<method>".
+REPLICA_TITLE = re.compile(r"^ray::(?:\S*:)?ServeReplica:(?P<app>[^:\s]+):EngineReplica(?:[.\s]|$)")
 
 
 # ---- pure pieces ----------------------------------------------------------------------------------
@@ -191,8 +194,8 @@ def replica_processes(root_pid: int | None, app: str | None = None) -> dict[int,
             title = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        prefix = REPLICA_TITLE + (f"{app}:" if app else "")
-        if title.startswith(prefix) and ":EngineReplica" in title:
+        match = REPLICA_TITLE.match(title)
+        if match and (app is None or match["app"] == app):
             found[p.pid] = title.split()[0]
     return found
 

@@ -83,17 +83,20 @@ def test_replica_processes_found_by_title_under_a_root(tmp_path):
 
     script = "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); time.sleep(60)"
     titles = ["ray::ServeReplica:dcut:EngineReplica.completions", "ray::ServeReplica:dcut:Ingress",
-              "ray::ServeReplica:other:EngineReplica"]
+              "ray::ServeReplica:other:EngineReplica",
+              "ray::SERVE_REPLICA::dcut#EngineReplica#jesa8z0p:ServeReplica:dcut:EngineReplica.__init__",
+              "ray::ServeReplica:dcut:EngineReplicaX"]
     children = [subprocess.Popen([sys.executable, "-c", script, title]) for title in titles]
     try:
         deadline = time.monotonic() + 20
-        while len(replica_processes(os.getpid())) < 2 and time.monotonic() < deadline:
+        while len(replica_processes(os.getpid())) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert set(replica_processes(os.getpid())) == {children[0].pid, children[2].pid}
-        assert replica_processes(os.getpid(), "dcut") == {children[0].pid: titles[0]}
+        assert set(replica_processes(os.getpid())) == {children[0].pid, children[2].pid, children[3].pid}
+        assert replica_processes(os.getpid(), "dcut") == {children[0].pid: titles[0], children[3].pid: titles[3]}
         sampler = RssSampler(os.getpid(), "dcut")
         sampler.sample()
-        assert list(sampler.samples) == [children[0].pid] and sampler.latest_mib()[children[0].pid] > 0
+        assert set(sampler.samples) == {children[0].pid, children[3].pid}
+        assert sampler.latest_mib()[children[0].pid] > 0
     finally:
         for child in children:
             child.kill()
