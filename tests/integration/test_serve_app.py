@@ -487,7 +487,7 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     from app.builder import build_app
     from loadtest.faults import Load
 
-    scale = httpx.get(f"{BASE}/scale/dcut/status", headers=AUTH, timeout=10).json()["cost_tables"]
+    scale = httpx.get(f"{BASE}/scale/dcut/status", headers=AUTH, timeout=60).json()["cost_tables"]
     (table,) = [t["table"] for t in scale.values()]
     (tmp_path / "table.json").write_text(json.dumps(table))  # both replicas start at once, nobody profiles
     args = _args(tiny_models, tmp_path, max_ongoing_requests=8, max_queued_requests=16,
