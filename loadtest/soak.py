@@ -207,6 +207,18 @@ def _uid(p: psutil.Process) -> int | None:
         return None
 
 
+def tree_rss(process: psutil.Process) -> int:
+    """RSS of a replica process and of its descendants (vLLM may run its engine core in a child process, which
+    holds the weights and the KV cache), in bytes."""
+    total = process.memory_info().rss
+    for child in process.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
 class RssSampler(threading.Thread):
     """Samples the replica processes' RSS every ``interval_s`` seconds until stopped."""
 
@@ -220,7 +232,7 @@ class RssSampler(threading.Thread):
     def sample(self) -> None:
         for pid, name in replica_processes(self.root_pid, self.app).items():
             try:
-                rss = psutil.Process(pid).memory_info().rss
+                rss = tree_rss(psutil.Process(pid))
             except psutil.Error:
                 continue
             self.names[pid] = name
