@@ -49,6 +49,9 @@ some_unicode = st.text(st.characters(codec="utf-8"), min_size=1, max_size=60)
 words = st.text(alphabet="abcdefgh ()=:.\n", min_size=1, max_size=40)
 
 
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")  # their hostile values are refused ones only (no junk int)
+
+
 def _mostly(good: st.SearchStrategy, edge: st.SearchStrategy) -> st.SearchStrategy:
     """``good`` half the time, else an edge value or junk of any type."""
     return st.one_of(good, good, edge, junk)
@@ -126,7 +129,8 @@ def coherent(body: dict) -> dict:
 
 def _fields(pairs: dict, valid: bool) -> dict:
     """Field strategies: only valid values, or valid ones half the time and else edge values or junk."""
-    return {k: good if valid else _mostly(good, edge) for k, (good, edge) in pairs.items()}
+    return {k: good if valid else (st.one_of(good, good, edge) if k in TOKEN_FIELDS else _mostly(good, edge))
+            for k, (good, edge) in pairs.items()}
 
 
 def _model(model: str) -> st.SearchStrategy:
@@ -142,7 +146,8 @@ def _body(model: str, fields: dict, required: dict, valid: bool) -> st.SearchStr
     always = st.fixed_dictionaries({"model": _model(model), **required}, optional=fields)
     some = st.fixed_dictionaries({}, optional={"model": _model(model), **required, **fields})
     bodies = st.one_of(always, always, always, some)
-    unknown = st.dictionaries(st.text(min_size=1, max_size=12), junk, max_size=3)
+    known = {"model", *required, *fields}  # an "unknown" field must not stand in for a known one unbounded
+    unknown = st.dictionaries(st.text(min_size=1, max_size=12).filter(lambda k: k not in known), junk, max_size=3)
     return st.one_of(bodies, st.builds(lambda b, u: {**u, **b}, bodies, unknown))
 
 
