@@ -284,28 +284,6 @@ def test_quick_flag_and_plan():
     assert opened[opened.index("--host") + 1] == "http://127.0.0.1:8000"
 
 
-def test_committed_report_recomputes_from_its_raw_logs(tmp_path):
-    """docs/loadtest/results.json: every run's figures follow from its committed requests log."""
-    import gzip
-
-    path = REPO / "docs" / "loadtest" / "results.json"
-    record = json.loads(path.read_text()) if path.exists() else {}
-    if "points" not in record:
-        pytest.skip("docs/loadtest holds no report of this tooling yet")
-    setup = record["setup"]
-    objectives = Objectives(**setup["objectives"])
-    for run in record["runs"]:
-        log = tmp_path / "log.jsonl"
-        log.write_bytes(gzip.decompress((REPO / "docs" / "loadtest" / run["requests_log"]).read_bytes()))
-        events, records = read_requests_log(log)
-        got = point_figures(records, measured_window(events, setup["ramp_s"]), objectives).to_json()
-        for key, value in got.items():
-            if key not in ("mean_accepted_length", "keep_ratio"):  # from the replicas, not the log
-                assert run["figures"][key] == pytest.approx(value), (run["arm"], run["kind"], run["load"], key)
-    assert {p["arm"] for p in record["points"]} == set(setup["arms"])
-    assert str(REPO) not in path.read_text() and str(Path.home()) + "/" not in path.read_text()
-
-
 def test_fresh_status_waits_for_a_report_sent_after_the_point():
     import time
 
