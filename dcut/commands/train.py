@@ -139,6 +139,11 @@ def _command_line() -> str:
         if "train" in sys.argv else "dcut train all --out models --seed 0"
 
 
+def _verify_json(runs: Path, target: str, k: int) -> Path:
+    """Where `verify_pair` records a pair's check drafting ``k`` (the full block: the cards' main figures)."""
+    return runs / (f"verify-{target}.json" if k == 15 else f"verify-{target}-k{k}.json")
+
+
 def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: int, k: int = 15) -> dict:
     """vLLM check in a subprocess (vLLM needs a __main__ guard) drafting ``k`` positions per step,
     plus (at the full block) the PyTorch replay."""
@@ -154,7 +159,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
     if not ((out / tname / ".done").exists() and (out / dname / ".done").exists()):
         raise CommandError(f"{out / tname} and {out / dname} must be trained first")
-    js = runs / (f"verify-{tname}.json" if k == 15 else f"verify-{tname}-k{k}.json")
+    js = _verify_json(runs, tname, k)
     prompts_file = out / "heldout_prompts.jsonl"
     cmd = [sys.executable, "-m", "dcut.train.verify", "--target", str(out / tname), "--drafter", str(out / dname),
            "--prompts", str(prompts_file), "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
@@ -206,16 +211,17 @@ def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts:
     rows = R.cost_figures(CostTable.load(profile), plain)
     acceptance = {}
     for w in R.WIDTHS:  # a measurement already made for this pair is reused (`dcut train verify` removes stale ones)
-        done = runs / (f"verify-{tname}.json" if w == 15 else f"verify-{tname}-k{w}.json")
+        done = _verify_json(runs, tname, w)
         res = json.loads(done.read_text()) if done.exists() else verify_pair(out, runs, kind, num_prompts,
                                                                              max_tokens, k=w)
         acceptance[w] = {"acceptance_per_pos": res["acceptance_per_pos"],
                          "mean_accepted_per_step": res["mean_accepted_per_step"]}
+    machine = machine_info()
     source = (f"Costs: `{profile}` (the engine's own dummy steps, `dcut profile`); live plain decoding step: "
               f"`python -m dcut.train.regime` (vLLM's default compilation, prefill excluded: "
               f"(T({R.LONG} tokens) - T({R.SHORT} tokens)) / {R.LONG - R.SHORT}); acceptance: "
               f"`python -m dcut.train.verify -k W`, greedy, {num_prompts} held-out prompts × {max_tokens} tokens, "
-              f"bs 8; machine: {machine_info()['cpu']} ({machine_info()['cores']} cores).")
+              f"bs 8; machine: {machine['cpu']} ({machine['cores']} cores).")
     record = {"rows": rows, "acceptance": acceptance, "source": source, "in_regime": R.in_regime(rows)}
     (runs / f"regime-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
@@ -285,7 +291,7 @@ def run(args) -> int:
                                         _budget(a[f"{kind}_distill_minutes"], a[f"{kind}_distill_steps"],
                                                 a[f"{kind}_distill_lr"], drafter=True), args.seed,
                                         n_seqs=args.sequences, greedy_share=PAIRS[kind].greedy_share)
-            if not args.no_verify and not (runs / f"verify-{tname}.json").exists():
+            if not args.no_verify and not _verify_json(runs, tname, 15).exists():
                 try:
                     verify_pair(out, runs, kind, args.num_prompts, args.max_tokens)
                 except CommandError as e:
