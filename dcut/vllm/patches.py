@@ -21,6 +21,16 @@ Wrapped functions:
 - ``GPUModelRunner.take_draft_token_ids`` — cut the drafts before the scheduler takes them.
 - ``Worker.compile_or_warm_up_model`` / ``CPUWorker.compile_or_warm_up_model`` — load, or
   profile with the engine's own dummy steps, the cost table once the KV cache exists.
+
+Two fixes of vLLM 0.32 bugs in the rejection sampler's sampling constraints, active with or without D-Cut
+(found by ``loadtest.fuzz``: one request with ``top_k`` and ``temperature > 0`` killed the engine core):
+- ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` — on CPU its kernel (``cpu_triton_utils.
+  _expand_kernel_impl``) writes into an int64 *copy* of the output, so the per-token temperatures and top-k
+  of every sampled request were uninitialised memory (garbage ``k`` raised "selected index k out of range").
+  On CPU: ``repeat_interleave``, the same result; elsewhere vLLM's kernel.
+- ``vllm.v1.sample.rejection_sampler.apply_sampling_constraints`` — over zero draft tokens (a DFlash prefill
+  step; a step whose drafts were all cut) it reaches ``apply_top_k_only``, whose ``k.max()`` of an empty
+  tensor raises. No tokens: nothing to constrain, the empty logits are returned as they are.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,7 +55,7 @@ logger = logging.getLogger("vllm.dcut")
 
 EXPECTED_VLLM_VERSION = "0.32.0"
 CONFIDENT_METHODS = ("dflash", "draft_model", "eagle", "eagle3")
-_originals: list[tuple[type, str, Any]] = []  # what install replaced, for uninstall
+_originals: list[tuple[type | ModuleType, str, Any]] = []  # what install replaced, for uninstall
 
 # The leading parameters each wrapper binds by position: checked against vLLM's signature at install.
 _RUNNER_PROPOSE_PARAMS = ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
@@ -62,6 +73,7 @@ def install() -> None:
     version_ok = vllm.__version__ == EXPECTED_VLLM_VERSION
     _wrap(VllmConfig, "__post_init__", _config_post_init(vllm.__version__ if not version_ok else None))
     if version_ok:
+        from vllm.v1.sample import rejection_sampler
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         from vllm.v1.worker.gpu_worker import Worker
@@ -74,6 +86,10 @@ def install() -> None:
         _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids, _RUNNER_PROPOSE_PARAMS)
         _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids, ("self",))
         _wrap(Worker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
+        _wrap(rejection_sampler, "expand_batch_to_tokens", _expand_on_cpu,
+              ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"))
+        _wrap(rejection_sampler, "apply_sampling_constraints", _sampling_constraints_over_no_tokens,
+              ("logits", "cu_num_draft_tokens", "sampling_metadata"))
         try:
             from vllm.v1.worker.cpu_worker import CPUWorker
         except ImportError:  # the CUDA wheel may not ship the CPU worker's dependencies
@@ -89,11 +105,12 @@ def uninstall() -> None:
         setattr(owner, name, original)
 
 
-def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
+def _wrap(owner: type | ModuleType, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]],
           params: tuple[str, ...] = ()) -> None:
     """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it, or if
     the leading parameters the wrapper binds by position are not the ones it was written for."""
-    where = f"{owner.__module__}.{owner.__qualname__}.{name}"
+    where = f"{owner.__name__}.{name}" if isinstance(owner, ModuleType) else \
+        f"{owner.__module__}.{owner.__qualname__}.{name}"
     original = owner.__dict__.get(name)
     if original is None:
         raise RuntimeError(f"dcut-serve: vLLM {where} not found; this D-Cut build patches vLLM "
@@ -118,6 +135,34 @@ def runner_dcut(runner: Any) -> RunnerDCut | None:
             state = RunnerDCut(settings, fingerprint_for(runner.vllm_config), runner.num_spec_tokens)
         runner._dcut = state
     return state
+
+
+# -- vllm.v1.sample.rejection_sampler.expand_batch_to_tokens -----------------------------------------
+def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: float = 0,
+                     replace_to: float = 0) -> torch.Tensor:
+    """``x[i]`` repeated for each of request i's tokens (``cu_num_tokens``: cumulative counts), with
+    ``replace_from`` values replaced by ``replace_to`` — what vLLM's ``expand_kernel`` computes."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return out.masked_fill(out == replace_from, replace_to)
+
+
+def _expand_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: float = 0, replace_to: float = 0) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+        return expand_to_tokens(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+    return expand_batch_to_tokens
+
+
+# -- vllm.v1.sample.rejection_sampler.apply_sampling_constraints ------------------------------------
+def _sampling_constraints_over_no_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_sampling_constraints(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if logits.shape[0] == 0:
+            return logits
+        return original(logits, *args, **kwargs)
+    return apply_sampling_constraints
 
 
 # -- vllm.config.VllmConfig.__post_init__ ---------------------------------------------------------

@@ -1,5 +1,6 @@
 """Sampling at temperature 1: D-Cut leaves vLLM's verification as it is (it only shortens drafts, using
-information from the drafter alone), so a cut samples as if fewer drafts had been proposed."""
+information from the drafter alone), so a cut samples as if fewer drafts had been proposed, and speculative
+decoding with D-Cut samples from the target's own distribution."""
 
 from __future__ import annotations
 
@@ -75,6 +76,8 @@ def _chi2_p(a: Counter, b: Counter) -> float:
 def samples(pair) -> dict[str, list[tuple[int, ...]]]:
     return {"cut_to_1": _samples(pair["target"], pair["draft"], "per_request"),
             "vllm_k1": _samples(pair["target"], pair["draft"], None, k=1),
+            "joint": _samples(pair["target"], pair["draft"], "joint"),
+            "target": _samples(pair["target"], None, None),
             "drafter": _samples(pair["draft"], None, None)}
 
 
@@ -84,13 +87,21 @@ def _p(a: list[tuple[int, ...]], b: list[tuple[int, ...]], t: int) -> float:
 
 def test_temperature_one_a_cut_samples_as_if_fewer_drafts_were_proposed(samples):
     """What D-Cut owns: the cut. Drafting K=3 and cutting every request to 1 draft (mode per_request)
-    samples exactly as vLLM drafting K=1 with the plugin off, through the same verifier. D-Cut is compared
-    with the verifier at the same draft count, not with the target alone: whether vLLM 0.32's CPU
-    verifier keeps the target's distribution is vLLM's to test (the first version saw p=9e-15 at
-    position 1 with the plugin disabled; this session's runs at N=600 gave both a pass and a fail)."""
+    samples exactly as vLLM drafting K=1 with the plugin off, through the same verifier."""
     for t in range(1, POSITIONS):  # positions produced by speculative steps
         p_same = _p(samples["vllm_k1"], samples["cut_to_1"], t)
         assert p_same > 1e-3, f"position {t}: a cut to 1 draft samples unlike vLLM's K=1 (p={p_same:.2e})"
     # Power check: the drafter's own distribution is told apart by the same test.
     p_draft = min(_p(samples["vllm_k1"], samples["drafter"], t) for t in range(1, POSITIONS))
     assert p_draft < 1e-3, f"test has no power: drafter distribution not distinguished (p={p_draft:.2e})"
+
+
+def test_temperature_one_samples_the_targets_distribution(samples):
+    """Lossless in distribution: speculative decoding (vLLM's K=1, D-Cut's cut to 1, D-Cut's default mode
+    ``joint`` choosing widths) samples each position as the target alone does. vLLM 0.32's CPU verifier did not
+    (p=9e-15 at position 1 with the plugin off: its per-token temperatures were uninitialised memory) until
+    ``dcut.vllm.patches`` replaced ``expand_batch_to_tokens`` on CPU."""
+    for arm in ("vllm_k1", "cut_to_1", "joint"):
+        for t in range(POSITIONS):
+            p_same = _p(samples["target"], samples[arm], t)
+            assert p_same > 1e-3, f"{arm}, position {t}: samples unlike the target alone (p={p_same:.2e})"

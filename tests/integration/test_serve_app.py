@@ -62,7 +62,7 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     from app.builder import build_app
 
     main = _args(tiny_models, tmp_path_factory.mktemp("dcut-cache"), max_ongoing_requests=3,
-                 max_queued_requests=1, max_prompt_tokens=200,
+                 max_queued_requests=2, max_prompt_tokens=200,
                  autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
     scale = _args(tiny_models, tmp_path_factory.mktemp("scale-cache"), max_ongoing_requests=8,
                   max_queued_requests=16,
@@ -536,7 +536,8 @@ def test_replica_sigkill_under_load(client):
     """SIGKILL of the replica serving a stream, under concurrent non-streaming load: no request fails (those
     that had no byte yet are retried on the other replica), the stream ends with an error event and [DONE],
     the dead replica leaves /dcut/status within 3 report intervals. Two clients: what the surviving replica holds
-    (max_ongoing_requests=3), so none is refused by back-pressure while Serve replaces the dead one."""
+    (max_ongoing_requests=3), and what the ingress may queue (max_queued_requests=2: both clients can wait for a
+    replica at once while the router learns of the death), so none is refused by back-pressure."""
     from loadtest.faults import kill_drill
 
     broken = _metric("ray_dcut_ingress_broken_streams_total")

@@ -9,13 +9,15 @@ from dcut.vllm import patches
 
 def test_every_patch_names_the_vllm_function_it_wraps() -> None:
     from vllm.config import VllmConfig
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def wrapped() -> list:
         return [VllmConfig.__post_init__, SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer._sample_draft_tokens,
                 GPUModelRunner.execute_model, GPUModelRunner._prepare_inputs, GPUModelRunner.propose_draft_token_ids,
-                GPUModelRunner.take_draft_token_ids]
+                GPUModelRunner.take_draft_token_ids, rejection_sampler.expand_batch_to_tokens,
+                rejection_sampler.apply_sampling_constraints]
 
     was_installed = bool(patches._originals)
     patches.install()
@@ -66,3 +68,41 @@ def test_bad_setting_is_named() -> None:
 
     with pytest.raises(ValueError, match="fixed_ratio"):
         patches._config_post_init(None)(lambda self: None)(Config())
+
+
+def test_expand_to_tokens_repeats_each_request_value_per_token() -> None:
+    import torch
+
+    top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2 tokens, none, 3
+    assert patches.expand_to_tokens(top_k, cu, 5).tolist() == [5, 5, 7, 7, 7]
+    temperature = torch.tensor([-1.0, 0.5])  # greedy (-1) becomes 1, as vLLM asks
+    out = patches.expand_to_tokens(temperature, torch.tensor([1, 3]), 3, replace_from=-1, replace_to=1)
+    assert out.dtype == torch.float32 and out.tolist() == [1.0, 0.5, 0.5]
+    assert patches.expand_to_tokens(top_k[:0], cu[:0], 0).numel() == 0
+
+
+def test_vllm_cpu_expand_kernel_still_writes_into_a_copy() -> None:
+    """Why ``expand_batch_to_tokens`` is replaced on CPU: vLLM 0.32's CPU kernel converts a float32 or int32
+    output to int64 and writes the copy, leaving the caller's tensor as it was. If this starts failing, vLLM
+    fixed it and the patch can go."""
+    import torch
+    import vllm._C  # noqa: F401 - registers torch.ops._C
+    from vllm.utils.cpu_triton_utils import _expand_kernel_impl
+
+    for dtype in (torch.int32, torch.float32):
+        out = torch.full((3,), -7, dtype=dtype)
+        _expand_kernel_impl(out, torch.tensor([5], dtype=dtype), torch.tensor([3], dtype=torch.int32), 0, 0)
+        assert out.tolist() == [-7, -7, -7]
+
+
+def test_sampling_constraints_over_no_draft_tokens() -> None:
+    """vLLM's constraints over zero tokens raise in ``apply_top_k_only`` (``k.max()`` of nothing); wrapped,
+    the empty logits come back untouched and any other call goes to vLLM."""
+    import torch
+
+    calls = []
+    apply = patches._sampling_constraints_over_no_tokens(lambda logits, *a: calls.append(a) or logits * 2)
+    empty = torch.empty(0, 16)
+    assert apply(empty, torch.tensor([0]), None) is empty and calls == []
+    assert apply(torch.ones(1, 16), torch.tensor([1]), None).sum().item() == 32 and len(calls) == 1
