@@ -93,7 +93,22 @@ def schedule_from_sweep(record: dict[str, Any]) -> Schedule:
     return [tuple(r) for r in best_k_schedule(by_k, sorted({bs for rows in by_k.values() for bs in rows}))]
 
 
-def load_schedule(spec_schedule: str | None, sweep_path: Path) -> tuple[Schedule, str]:
+# Where `make sweep` writes each embedded pair's sweep (docs/).
+COMMITTED_SWEEPS = {"dense": "sweep", "moe": "sweep-moe", "deep": "sweep-deep"}
+
+
+def committed_sweep(config: dict, docs: Path) -> Path:
+    """The committed sweep of the embedded pair ``config``'s app serves: its dynamic arm is sized on that pair."""
+    from dcut.settings import EMBEDDED_MODELS
+
+    model = Path(app_entry(config)["args"]["engine"]["model"])
+    for pair, (target, _) in EMBEDDED_MODELS.items():
+        if model == Path(target):
+            return docs / COMMITTED_SWEEPS[pair] / "sweep.json"
+    raise ValueError(f"{model} is not an embedded pair: give the dynamic arm --sweep or --spec-schedule")
+
+
+def load_schedule(spec_schedule: str | None, sweep_path: Path | None) -> tuple[Schedule, str]:
     """The dynamic arm's schedule and where it came from (a sentence for the report)."""
     if spec_schedule:
         return parse_schedule(spec_schedule), "given with --spec-schedule"

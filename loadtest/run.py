@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.arms import ARMS, app_entry, arm_config, load_schedule
+from loadtest.arms import ARMS, app_entry, arm_config, committed_sweep, load_schedule
 from loadtest.metrics import (
     Objectives,
     acceptance_between,
@@ -287,8 +287,9 @@ def parse_args(argv=None):
     p.add_argument("--tpot-ms", type=float, default=Objectives.tpot_ms, help="goodput objective: TPOT <= this")
     p.add_argument("--spec-schedule", default=None,
                    help="arm dynamic: K per batch size, 'FROM-TO:K,...' (default: from --sweep)")
-    p.add_argument("--sweep", type=Path, default=REPO / "docs" / "sweep" / "sweep.json",
-                   help="arm dynamic: the sweep whose dynamic_fixed_k gives the best K per batch size")
+    p.add_argument("--sweep", type=Path, default=None,
+                   help="arm dynamic: the sweep whose dynamic_fixed_k gives the best K per batch size (default: the "
+                   "committed sweep of the config's embedded pair, e.g. docs/sweep-deep/sweep.json)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override the app's args for every arm (repeatable)")
@@ -335,8 +336,11 @@ def copy_raw(runs: list[dict], work: Path, out: Path) -> None:
 def main(argv=None) -> int:
     opts = parse_args(argv)
     arms, users, rates = plan(opts)
-    schedule, schedule_source = load_schedule(opts.spec_schedule, opts.sweep) if "dynamic" in arms else (None, None)
     base = yaml.safe_load(opts.config.read_text())
+    schedule, schedule_source = None, None
+    if "dynamic" in arms:
+        sweep = opts.sweep or (None if opts.spec_schedule else committed_sweep(base, REPO / "docs"))
+        schedule, schedule_source = load_schedule(opts.spec_schedule, sweep)
     configs = {arm: arm_config(base, arm, opts.overrides, opts.port, schedule) for arm in arms}
     for config in configs.values():
         validated_args(config)

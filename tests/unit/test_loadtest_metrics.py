@@ -8,11 +8,12 @@ import random
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
 from app.config import AppConfig
-from loadtest.arms import ARMS, arm_args, arm_config, load_schedule, schedule_from_sweep
+from loadtest.arms import ARMS, app_entry, arm_args, arm_config, committed_sweep, load_schedule, schedule_from_sweep
 from loadtest.metrics import (
     Objectives,
     PointFigures,
@@ -247,6 +248,17 @@ def test_dynamic_schedule_from_the_committed_sweep():
     assert "dynamic_fixed_k" in load_schedule(None, REPO / "docs" / "sweep" / "sweep.json")[1]
 
 
+def test_dynamic_arm_sized_on_the_served_pair():
+    """The default config serves the deep pair: its dynamic arm takes the deep sweep's schedule, not another pair's."""
+    config = yaml.safe_load((REPO / "app.config.yaml").read_text())
+    sweep = committed_sweep(config, REPO / "docs")
+    assert sweep == REPO / "docs" / "sweep-deep" / "sweep.json" and sweep.exists()
+    assert "models/deep" in load_schedule(None, sweep)[1]
+    app_entry(config)["args"]["engine"]["model"] = "/elsewhere/qwen3-8b"
+    with pytest.raises(ValueError, match="not an embedded pair"):
+        committed_sweep(config, REPO / "docs")
+
+
 def test_poisson_gaps_are_reproducible():
     """The open loop's arrival times come from their own seeded generator: every arm sees the same."""
     def arrivals(seed):
@@ -345,7 +357,9 @@ def test_main_plans_arms_points_and_repeats(tmp_path, monkeypatch):
         ("dcut", "users", 1.0, 2), ("dcut", "users", 2.0, 2), ("dcut", "rate", 4.0, 2), ("dcut", "rate", 8.0, 2)]
     assert len(measured) == 4 * 2 * 4
     record = json.loads((out / "results.json").read_text())
-    assert record["setup"]["rates"] == [4.0, 8.0] and record["setup"]["spec_schedule"][0] == [1, 1, 15]
+    deep_schedule = load_schedule(None, REPO / "docs" / "sweep-deep" / "sweep.json")[0]  # the served pair's sweep
+    assert record["setup"]["rates"] == [4.0, 8.0]
+    assert record["setup"]["spec_schedule"] == [list(r) for r in deep_schedule]
     assert len(record["points"]) == 4 * 4 and all(p["repeats"] == 2 for p in record["points"])
     users = {s["arm"]: s["verdict"] for s in record["stops_paying"]["users"]}
     assert users == {"full": "never_pays", "dynamic": "never_pays", "dcut": "never_pays"}
