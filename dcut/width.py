@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
-EXPLORE_SHARE = 0.15  # probe share while some width is unmeasured at a batch size (then ``share``)
+EXPLORE_SHARE = 0.15  # probe share while some plausible width is unmeasured at a batch size (then ``share``)
+PLAUSIBLE = 0.75  # a width estimated under this share of the chosen width's tokens/s is not explored
 
 
 def widths_for(k: int, widths: Sequence[int] | None = None) -> list[int]:
@@ -201,6 +202,17 @@ class RealizedRates:
                 for (b, w), (t, m, n) in sorted(self._cells.items())}
 
 
+def plausible_widths(choices: Sequence[WidthChoice | None], chosen: WidthChoice,
+                     floor: float = PLAUSIBLE) -> list[int]:
+    """The widths worth exploring at this batch size: priced (measured where it was, else the model's
+    estimate from the profiled costs and the acceptance learned over every width) within ``floor`` of the
+    chosen width. At bs 64 a full-width step costs ~8 plain ones: exploring widths the model already puts far
+    below would spend the short runs where it matters on measuring what will not be chosen. The steady
+    probe share still visits every width, so a width the model misjudges is found in time."""
+    return [c.width for c in choices
+            if c is not None and (c.width == chosen.width or c.tokens_per_s >= floor * chosen.tokens_per_s)]
+
+
 class ProbeBudget:
     """Occasional probe steps, paid from a credit of ``share`` of the steps taken.
 
@@ -218,14 +230,15 @@ class ProbeBudget:
         self._next = 0
 
     def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
-              samples: Callable[[int], int] | None = None, explore: bool = False) -> int | None:
+              samples: Callable[[int], int] | None = None, explore: Sequence[int] = ()) -> int | None:
         """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
         ``samples(w)``: how much is known of w already (the least known is probed first);
-        ``explore``: some width is not measured yet at this batch size, so earn ``EXPLORE_SHARE``."""
+        ``explore``: the widths not measured enough yet at this batch size (``plausible_widths``): while
+        there are any, earn ``EXPLORE_SHARE`` and probe only them."""
         if self.share <= 0:
             return None
         self.credit += max(self.share, EXPLORE_SHARE) if explore else self.share
-        candidates = [w for w in self.widths if w != chosen.width]
+        candidates = [w for w in (explore or self.widths) if w != chosen.width]
         if not candidates or self.credit < 1.0:
             return None
         rotated = candidates[self._next % len(candidates):] + candidates[: self._next % len(candidates)]

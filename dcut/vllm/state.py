@@ -41,6 +41,7 @@ from dcut.width import (
     RealizedRates,
     WidthStats,
     choose_width,
+    plausible_widths,
     position_counts,
     width_utilities,
     widths_for,
@@ -210,8 +211,9 @@ class RunnerDCut:
             return self.width
         self._held = chosen.width
         samples = None if bucket is None else (lambda w: self.realized.samples(bucket, w))
-        exploring = samples is not None and min(samples(w) for w in self.widths) < self.realized.min_samples
-        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples, explore=exploring)
+        unmeasured = [] if samples is None else [w for w in plausible_widths(choices, chosen)
+                                                 if w != chosen.width and samples(w) < self.realized.min_samples]
+        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples, explore=unmeasured)
         self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
         return self.width
 

@@ -12,6 +12,7 @@ from dcut.width import (
     WidthChoice,
     WidthStats,
     choose_width,
+    plausible_widths,
     position_counts,
     width_utilities,
     widths_for,
@@ -99,8 +100,20 @@ def test_exploration_probes_more_until_widths_are_measured() -> None:
     chosen = WidthChoice(0, 0, 4.0, 10.0)
     calm, eager = ProbeBudget([0, 1, 3], share=0.02), ProbeBudget([0, 1, 3], share=0.02)
     calm_n = sum(calm.probe(chosen, lambda w: 10.0) is not None for _ in range(200))
-    eager_n = sum(eager.probe(chosen, lambda w: 10.0, lambda w: 0, explore=True) is not None for _ in range(200))
+    eager_taken = [eager.probe(chosen, lambda w: 10.0, lambda w: 0, explore=[3]) for _ in range(200)]
+    eager_n = sum(w is not None for w in eager_taken)
     assert calm_n <= 4 and eager_n >= 25
+    assert {w for w in eager_taken if w is not None} == {3}  # only the widths still to be measured
+
+
+def test_only_widths_within_reach_are_explored() -> None:
+    """At a large batch the model prices wide blocks far below the chosen width: they are not explored (a
+    full-width probe there costs several plain steps); a width it cannot price is not either."""
+    chosen = WidthChoice(1, 1, 70.0, 50.0)  # 1400 tokens/s
+    choices = [WidthChoice(0, 0, 64.0, 48.0), chosen, WidthChoice(3, 2, 80.0, 70.0),
+               WidthChoice(15, 3, 90.0, 300.0), None]
+    assert plausible_widths(choices, chosen) == [0, 1, 3]
+    assert plausible_widths(choices, chosen, floor=0.0) == [0, 1, 3, 15]
 
 
 def test_realized_rates_replace_the_estimate_once_measured() -> None:
