@@ -326,6 +326,10 @@ def run_soak(opts, root_pid: int | None, out_dir: Path) -> dict:
                        "p99": percentile([v for _, v in c.itl], 99)},
         "replica_rss": [g.to_dict() for g in growth],
         "max_rss_growth_pct": max(growths) if growths else None,
+        # per replica pid: [seconds since the soak started, MiB] every --rss-interval-s (a leak is a slope that
+        # does not flatten; pools and caches filling up flatten)
+        "replica_rss_series": {str(pid): [[round(t - t_start, 1), round(rss / 2**20)] for t, rss in series]
+                               for pid, series in sampler.samples.items()},
     }
     report["passed"] = (c.failed == 0 and not c.failures and c.cut == 0 and c.started == c.finished
                         and c.started > 0 and bool(growths) and max(growths) <= opts.max_rss_growth)

@@ -120,7 +120,8 @@ def test_fuzz_loop_counts_every_answer_against_a_stub():
     with _stub_client(answer) as client:
         report = fuzz(client, "tiny", n_cases=20, seed=1)
     assert report.cases == 2 * len(RAW_FIXED) + 20 and report.statuses == {"400": report.cases}
-    assert report.ok and report.after == 200 and not report.out_of_time and report.top_errors == {"400 no": 88}
+    assert report.ok and report.after == 200 and not report.out_of_time
+    assert report.top_errors == {"400 no": report.cases}
 
 
 def test_fuzz_loop_flags_5xx_and_bad_error_bodies_and_stops_at_its_deadline():
