@@ -23,6 +23,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     rs = cfg.engine_replica
 
+    routing = rs.routing.serve_config()
     controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
                                   ray_actor_options={"num_cpus": cfg.controller.num_cpus},
                                   max_ongoing_requests=1000).bind(cfg.controller, rs.autoscaling)
@@ -36,6 +37,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         health_check_period_s=10, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=rs.graceful_shutdown_wait_loop_s,
+        **({"request_router_config": routing} if routing else {}),
     ).bind(cfg.engine, rs, controller)
     # The ingress drains as long as the replicas it forwards to, so `serve shutdown` cuts no request short.
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,

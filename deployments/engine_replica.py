@@ -25,6 +25,7 @@ from ray import serve
 
 from dcut import telemetry
 from dcut.cost_table import CostTable
+from dcut.routing import routing_stats
 from dcut.settings import EngineSettings
 from dcut.vllm.fingerprint import fingerprint
 from deployments.metrics import ReplicaMetrics
@@ -158,6 +159,14 @@ class EngineReplica:
         """Feeds the custom autoscaling policy (AutoscalingContext.aggregated_metrics): live demand,
         capacity from the estimates of the last telemetry read."""
         return {CAPACITY_KEY: self.capacity()[0], DEMAND_KEY: self.demand()}
+
+    async def record_routing_stats(self) -> dict:
+        """Feeds ``deployments.routing.DCutRequestRouter`` (Serve calls it every ``routing.stats_period_s``): the
+        throughput curve of the last telemetry read, this replica's measured speed, its running requests now.
+        Empty before the first estimates: the router then routes as Serve does by default."""
+        stats = routing_stats(self._snapshot, self.engine_settings.max_num_seqs, self.engine.load.engine_requests,
+                              time.time())
+        return {} if stats is None else stats.to_dict()
 
     # ---- requests -----------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ only its own section."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcut.settings import engine_env
@@ -59,6 +61,25 @@ class AutoscalingSettings(_Strict):
         }
 
 
+class RoutingSettings(_Strict):
+    """Which replica gets a request: Serve's default (power of two choices on queue length) or D-Cut's
+    (``deployments.routing``: where one more request adds the most tokens/s, from each replica's estimates)."""
+
+    policy: Literal["default", "dcut"] = "default"
+    stats_period_s: float = Field(2.0, gt=0.0, description="How often each replica publishes its routing figures.")
+    stale_after_s: float = Field(6.0, gt=0.0, description="Figures older than this send every request to the "
+                                 "default choice until they are fresh again.")
+
+    def serve_config(self) -> dict | None:
+        """Ray Serve 2.60 ``request_router_config``; None keeps Serve's default router."""
+        if self.policy == "default":
+            return None
+        return {"request_router_class": "deployments.routing:DCutRequestRouter",
+                "request_router_kwargs": {"stale_after_s": self.stale_after_s},
+                "request_routing_stats_period_s": self.stats_period_s,
+                "request_routing_stats_timeout_s": max(1.0, self.stats_period_s)}
+
+
 class EngineReplicaSettings(_Strict):
     """How one engine replica is placed, reports, and finds its cost table."""
 
@@ -92,6 +113,7 @@ class EngineReplicaSettings(_Strict):
                             description="module:class of the engine wrapper (tests swap in a subclass that "
                             "injects faults; production never sets it).")
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
 
 class ControllerSettings(_Strict):

@@ -257,6 +257,8 @@ def serve_arm(arm: str, config: dict, opts, work: Path, measure: Callable[[Targe
         info["ready_s"] = round(serve.wait_ready(cfg.engine.served_model_name, opts.start_timeout,
                                                  replicas=replicas, progress=log), 1)
         log(f"  ready after {info['ready_s']} s")
+        if opts.pin_replica:
+            info["pinned"] = pin_one_replica(serve, opts.pin_replica)
         measure(Target(serve.base_url, cfg.ingress.api_key, cfg.engine.served_model_name), serve)
         status = serve.get_json("/dcut/status") or {}
         info["replicas_at_end"] = len(status.get("replicas", []))
@@ -264,6 +266,21 @@ def serve_arm(arm: str, config: dict, opts, work: Path, measure: Callable[[Targe
         log(f"stopping serve ({arm})")
         info["killed_leftover_pids"] = serve.stop(progress=log)
     return info
+
+
+def pin_one_replica(serve: ServeProcess, cpus: str) -> dict:
+    """Confine the first engine replica (lowest pid, its engine core and their threads) to ``cpus`` ("0" or
+    "0,1"): replicas of unequal speed, as on a shared or mixed machine, for comparing request routers."""
+    from loadtest.soak import pin_tree, replica_processes
+
+    wanted = {int(c) for c in cpus.split(",") if c.strip()}
+    replicas = replica_processes(serve.proc.pid)
+    if not replicas:
+        raise RuntimeError("--pin-replica: no engine replica process found under serve run")
+    pid = min(replicas)
+    threads = pin_tree(pid, wanted)
+    log(f"  pinned engine replica pid {pid} ({threads} threads) to CPUs {sorted(wanted)}")
+    return {"pid": pid, "cpus": sorted(wanted), "threads": threads}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -303,6 +320,8 @@ def parse_args(argv=None):
     p.add_argument("--status-timeout", type=float, default=10, help="seconds to wait for fresh replica reports")
     p.add_argument("--progress-every", type=float, default=15)
     p.add_argument("--note", action="append", default=[], help="a line for results.md (repeatable)")
+    p.add_argument("--pin-replica", default=None, metavar="CPUS",
+                   help="confine one engine replica to these CPUs (e.g. 0): unequal replicas, for routing")
     opts = p.parse_args(argv)
     if opts.quick:  # the quick look's values become the defaults; flags given still win
         p.set_defaults(**QUICK)

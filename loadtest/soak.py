@@ -219,6 +219,25 @@ def tree_rss(process: psutil.Process) -> int:
     return total
 
 
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Confine a process, its descendants and every thread of them to ``cpus`` (``sched_setaffinity`` is per
+    thread; threads started later inherit it); returns how many threads were pinned."""
+    pinned = 0
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            threads = p.threads()
+        except psutil.Error:
+            continue
+        for t in threads:
+            try:
+                os.sched_setaffinity(t.id, cpus)
+                pinned += 1
+            except OSError:  # the thread ended meanwhile
+                pass
+    return pinned
+
+
 class RssSampler(threading.Thread):
     """Samples the replica processes' RSS every ``interval_s`` seconds until stopped."""
 

@@ -63,6 +63,7 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
 
     main = _args(tiny_models, tmp_path_factory.mktemp("dcut-cache"), max_ongoing_requests=3,
                  max_queued_requests=2, max_prompt_tokens=200,
+                 routing={"policy": "dcut", "stats_period_s": 1.0, "stale_after_s": 3.0},
                  autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
     scale = _args(tiny_models, tmp_path_factory.mktemp("scale-cache"), max_ongoing_requests=8,
                   max_queued_requests=16,
@@ -195,6 +196,25 @@ def test_engine_fault_is_500_and_replica_survives(client):
     _wait_until(lambda: all(r["age_s"] < time.monotonic() - after for r in _status(client)["replicas"]), 10,
                 "fresh report from every replica")
     assert {r["replica_id"] for r in _status(client)["replicas"]} == before
+
+
+def test_replicas_publish_routing_figures(client):
+    """The main app routes on D-Cut's figures (``deployments.routing``): each replica publishes its throughput
+    curve, measured speed and running requests for the router, and requests are served through it."""
+    from ray import serve
+
+    from dcut.routing import RoutingStats
+
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).status_code == 200
+    handle = serve.get_deployment_handle("EngineReplica", app_name="dcut")
+    _wait_until(lambda: RoutingStats.from_dict(handle.record_routing_stats.remote().result()) is not None, 30,
+                "routing figures from a replica")
+    stats = RoutingStats.from_dict(handle.record_routing_stats.remote().result())
+    assert list(stats.batch_sizes) == [1, 4] and all(t > 0 for t in stats.tokens_per_s)
+    assert 0.1 <= stats.speed <= 10 and stats.max_running == 8
+    codes = [client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code
+             for _ in range(6)]
+    assert codes == [200] * 6
 
 
 def test_503_with_retry_after_when_full(apps):

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 
+import psutil
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -101,3 +105,24 @@ def test_replica_processes_found_by_title_under_a_root(tmp_path):
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_pin_tree_confines_every_thread_of_a_process_and_its_children():
+    from loadtest.soak import pin_tree
+
+    code = ("import subprocess, sys, threading, time; threading.Thread(target=time.sleep, args=(30,), daemon=True)"
+            ".start(); subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        proc = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 20
+        while not (proc.children() and proc.num_threads() >= 2):
+            assert time.monotonic() < deadline, "test process did not start its thread and child"
+            time.sleep(0.1)
+        assert pin_tree(parent.pid, {0}) >= 3  # two threads of the parent, at least one of the child
+        for p in [proc, *proc.children()]:
+            assert all(os.sched_getaffinity(t.id) == {0} for t in p.threads())
+    finally:
+        for p in psutil.Process(parent.pid).children():
+            p.kill()
+        parent.kill()
