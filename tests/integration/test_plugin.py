@@ -13,7 +13,6 @@ import pytest
 
 from dcut.bench.generate import token_ids_sha256
 from dcut.settings import DCutSettings, EngineSettings
-from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +22,8 @@ MODES = ("full", "fixed", "auto", "continuous", "joint")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_tiny_models(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_models: dict[str, Path]) -> dict[str, Path]:
+    return tiny_models  # the session's (tests/conftest.py), built once
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_models import build_tiny_models
-
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 MODES = ["none", "full", "dynamic", "per_request", "auto", "joint"]
 
 
-def test_sweep_two_batch_sizes(tmp_path):
-    tiny = build_tiny_models(tmp_path / "models")
+def test_sweep_two_batch_sizes(tmp_path, tiny_models):
+    tiny = tiny_models
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "class Point:", "import os"]))
     out = tmp_path / "sweep"
