@@ -42,3 +42,14 @@ class AppConfig(BaseModel):
         if updates:
             object.__setattr__(self, "engine", self.engine.model_copy(update=updates))
         return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_processes(self) -> AppConfig:
+        """TP > 1 runs one worker process per rank: an in-process engine core (the TP=1 default environment)
+        cannot host them, and would fail deep inside vLLM at start-up."""
+        if (self.engine.tensor_parallel_size > 1
+                and self.engine_replica.env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"):
+            raise ValueError(f"engine.tensor_parallel_size is {self.engine.tensor_parallel_size}: set "
+                             "engine_replica.env.VLLM_ENABLE_V1_MULTIPROCESSING to \"1\" (and on CPU "
+                             "VLLM_CPU_OMP_THREADS_BIND, e.g. \"0|1\"); see app.two-models.config.yaml")
+        return self
