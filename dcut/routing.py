@@ -14,9 +14,10 @@ bad one.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from dcut.snapshot import DCutSnapshot
 
@@ -79,14 +80,7 @@ def routing_stats(snapshot: DCutSnapshot | None, max_running: int, running: int,
 
 def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (0, 0) and the points; flat past the last (no extrapolated growth)."""
-    if x <= 0:
-        return 0.0
-    if x >= xs[-1]:
-        return ys[-1]
-    i = bisect.bisect_left(xs, x)
-    x0, y0 = (0, 0.0) if i == 0 else (xs[i - 1], ys[i - 1])
-    x1, y1 = xs[i], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return float(np.interp(x, [0, *xs], [0.0, *ys]))
 
 
 def batch_tokens_per_s(stats: RoutingStats, running: int) -> float:
