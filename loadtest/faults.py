@@ -129,8 +129,9 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
     probe_task = asyncio.create_task(probe())
     await asyncio.wait_for(first_chunk.wait(), 60)
     deadline = time.monotonic() + 30
-    while not (busy := [r for r in await _replicas(client) if r["load"]["engine_requests"] > 0]):
-        assert time.monotonic() < deadline, "no replica reports the probe stream"
+    # only the probe is in flight now: exactly one replica runs it (another may still report a finished request)
+    while len(busy := [r for r in await _replicas(client) if r["load"]["engine_requests"] > 0]) != 1:
+        assert time.monotonic() < deadline, f"not one replica reports the probe stream: {busy}"
         await asyncio.sleep(0.25)
     victim = report.killed_replica = busy[0]["replica_id"]
     body = {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True}

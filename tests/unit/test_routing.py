@@ -52,7 +52,7 @@ def test_measured_speed_compares_real_steps_with_the_estimate() -> None:
     est_ms_at_4 = 10.0 * 4 ** 0.5
     slow = snapshot(WindowSummary(steps=10, batch_size_histogram={4: 10}, mean_step_ms={4: 2 * est_ms_at_4}))
     assert measured_speed(slow) == pytest.approx(0.5)
-    assert measured_speed(snapshot(WindowSummary())) == 1.0  # nothing ran: no evidence either way
+    assert measured_speed(snapshot(WindowSummary())) is None  # nothing ran: no evidence either way
     wild = snapshot(WindowSummary(steps=1, batch_size_histogram={1: 1}, mean_step_ms={1: 1e6}))
     assert measured_speed(wild) == 0.1  # bounded
     s = routing_stats(slow, max_running=16, running=3, now=NOW)
@@ -75,6 +75,27 @@ def test_ranks_by_what_one_more_request_adds() -> None:
     # the router's queue count is fresher than the replica's own: it is the one priced
     assert rank_replicas([("x", stats(running=0), 12), ("y", stats(running=12), 0)], NOW, 6.0) == ["y", "x"]
     assert rank_replicas([("x", stats(running=5), None), ("y", stats(running=1), None)], NOW, 6.0) == ["y", "x"]
+
+
+def test_a_replica_that_has_not_run_is_priced_at_the_others_speed() -> None:
+    """The starvation an earlier version had: replicas that ran measured themselves faster than a conservative
+    table and outbid the idle one (speed 1.0) for ever, so it never ran and never measured itself."""
+    assert RoutingStats.from_dict(stats(speed=None).to_dict()) == stats(speed=None)
+    fast, idle = ("fast", stats(speed=1.8), 3), ("idle", stats(speed=None), 0)
+    assert rank_replicas([fast, idle], NOW, 6.0) == ["idle", "fast"]
+    assert batch_tokens_per_s(stats(speed=None), 8) == 600.0  # alone, unknown speed is the table's
+
+
+def test_near_equal_marginal_rates_go_to_the_shorter_queue() -> None:
+    """A straight curve (step time flat in the batch): every replica adds the same; the queue decides, and a
+    few percent of estimate noise (speed 1.05 against 1.0) does not pull every request to one replica."""
+    line = ((1, 8, 16), (100.0, 800.0, 1600.0))
+    straight = [("a", RoutingStats(*line, 16, 1.05, 0, NOW), 6), ("b", RoutingStats(*line, 16, 1.0, 0, NOW), 2)]
+    assert rank_replicas(straight, NOW, 6.0) == ["b", "a"]
+    # a clear gap is not a tie: the twice-as-fast replica wins despite its queue
+    assert rank_replicas([("a", RoutingStats(*line, 16, 2.0, 0, NOW), 6), straight[1]], NOW, 6.0) == ["a", "b"]
+    # every engine full: shortest queue first
+    assert rank_replicas([("a", stats(), 20), ("b", stats(), 17)], NOW, 6.0) == ["b", "a"]
 
 
 def test_missing_or_stale_figures_fall_back() -> None:
