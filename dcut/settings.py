@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from dcut.specexit import SpecExitSettings
+
 Mode = Literal["full", "fixed", "auto", "continuous", "per_request", "joint"]
 ZeroWidth = Literal["catch_up", "vllm"]
 
@@ -87,6 +89,7 @@ EMBEDDED_MODELS = {
     "dense": ("models/dense", "models/dense-dflash"),
     "deep": ("models/deep", "models/deep-dflash"),
     "moe": ("models/moe", "models/moe-dflash"),
+    "reasoning": ("models/reasoning", "models/reasoning-dflash"),  # thinks, then answers: SpecExit's pair
 }
 DEFAULT_PAIR = "deep"  # in D-Cut's regime (models/deep/README.md, "Cost regime")
 
@@ -112,3 +115,5 @@ class EngineSettings(BaseModel):
     served_model_name: str | None = None
     dcut: DCutSettings | None = Field(default_factory=DCutSettings,
                                       description="D-Cut settings; None verifies every draft (full width).")
+    specexit: SpecExitSettings | None = Field(None, description="SpecExit: end the thinking early from the "
+                                              "drafter's signals (a reasoning pair with a signal head); None: off.")

@@ -9,8 +9,8 @@ signal passes its threshold, the step's accepted tokens are cut after that token
 bonus token's place (``exit_index``); the answer then decodes as usual. Everything before the cut is the
 target's own output.
 
-What is here: the settings, the head's activations, smoothing and the exit rule, all pure. Training the head
-and applying the cut inside vLLM are not built yet (issue 13).
+What is here: the settings, the head's activations, smoothing and the exit rule, all pure. The head is trained
+with the reasoning pair (``dcut.train``); ``dcut.vllm.specexit`` applies the rule inside vLLM.
 """
 
 from __future__ import annotations
@@ -112,16 +112,25 @@ def passes(signals: Signals, settings: SpecExitSettings) -> bool:
 
 
 def exit_index(accepted_texts: Sequence[str], thinking: bool, signals: Signals | None,
-               settings: SpecExitSettings) -> int | None:
+               settings: SpecExitSettings, tail: str = "") -> int | None:
     """Where to end the thinking in this step: keep ``accepted_texts[:i + 1]`` and emit ``think_end`` next, or
     None to carry on. ``accepted_texts``: the step's accepted tokens, decoded, in order; ``thinking``: the
-    request is inside its thinking section; ``signals``: its smoothed signals after this step. The cut is at
-    the first accepted token that ends a paragraph, so the thinking always ends on a paragraph boundary."""
+    request is inside its thinking section; ``signals``: its smoothed signals; ``tail``: the text just before
+    this step (a split string may span tokens: ``"\n"`` then ``"\n"``). The cut is at the first accepted token
+    that ends a paragraph, so the thinking always ends on a paragraph boundary."""
     if not thinking or signals is None or not passes(signals, settings):
         return None
-    for i, text in enumerate(accepted_texts):
-        if settings.think_end in text:  # the target ended the thinking itself
+    text = tail
+    for i, piece in enumerate(accepted_texts):
+        if settings.think_end in piece:  # the target ended the thinking itself
             return None
+        text += piece
         if text.endswith(settings.split_strings):
             return i
     return None
+
+
+def tail_of(text: str, settings: SpecExitSettings) -> str:
+    """The end of ``text`` that a later token could complete a split string with."""
+    keep = max(len(s) for s in settings.split_strings) - 1
+    return text[-keep:] if keep else ""

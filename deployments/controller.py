@@ -119,6 +119,7 @@ class DCutController:
                 "capacity_from": r.capacity_from,
                 "demand_tokens_per_s": r.demand_tokens_per_s,
                 "load": r.load.model_dump(),
+                "specexit": r.specexit and r.specexit.model_dump(),
                 "age_s": round(time.time() - r.sent_at, 2),
             })
         return {

@@ -140,7 +140,7 @@ class EngineReplica:
             sent_at=time.time(), interval_s=self.rs.telemetry_interval_s,
             load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
             capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),
-            dcut=self._snapshot)
+            dcut=self._snapshot, specexit=await self.engine.specexit_stats())
 
     async def _report_forever(self) -> None:
         """One report every ``telemetry_interval_s``, however long reading and sending take: the controller

@@ -43,9 +43,14 @@ class ReplicaMetrics:
         self.steps = counter("dcut_steps", "Engine steps with D-Cut on")
         self.generated = counter("dcut_generated_tokens", "Generated tokens")
         self.aborted = counter("dcut_aborted_requests", "Requests aborted (client gone)")
-        self._last = {"steps": 0, "generated": 0, "aborted": 0}
+        self.specexit_exits = counter("dcut_specexit_exits", "Thinking sections SpecExit ended")
+        self.specexit_reasoning = counter("dcut_specexit_reasoning_tokens", "Tokens generated while thinking "
+                                          "by requests SpecExit watched")
+        self.specexit_saved = counter("dcut_specexit_predicted_saved_tokens", "Thinking tokens SpecExit's head "
+                                      "estimated each exit saved, summed")
+        self._last = {"steps": 0, "generated": 0, "aborted": 0, "exits": 0, "reasoning": 0, "saved": 0}
 
-    def _count(self, name: str, counter: Counter, total: int) -> None:
+    def _count(self, name: str, counter: Counter, total: float) -> None:
         if total > self._last[name]:
             counter.inc(total - self._last[name], tags=self.tags)
         self._last[name] = total  # the engine's step count restarts when its stats are reset
@@ -62,6 +67,10 @@ class ReplicaMetrics:
         self._count("aborted", self.aborted, load.aborted_total)
         if snap is not None:
             self._update_dcut(snap)
+        if (se := report.specexit) is not None:
+            self._count("exits", self.specexit_exits, se.exits)
+            self._count("reasoning", self.specexit_reasoning, se.reasoning_tokens)
+            self._count("saved", self.specexit_saved, se.predicted_saved_tokens)
 
     def _update_dcut(self, snap: DCutSnapshot) -> None:
         t, window = self.tags, snap.window

@@ -24,6 +24,17 @@ class EngineLoad(BaseModel):
     tokens_per_s: float = 0.0
 
 
+class SpecExitStats(BaseModel):
+    """What SpecExit did in an engine since it started (``dcut.vllm.specexit.RunnerSpecExit.stats``)."""
+
+    settings: dict
+    requests: int = 0  # requests SpecExit watched
+    exits: int = 0  # thinking sections it ended
+    reasoning_tokens: int = 0  # generated while thinking, by those requests
+    predicted_saved_tokens: float = 0.0  # the head's remaining-tokens estimate at each exit, summed
+    thinking_now: int = 0
+
+
 class ReplicaReport(BaseModel):
     """One replica's telemetry, sent to the controller every ``telemetry_interval_s``."""
 
@@ -39,6 +50,7 @@ class ReplicaReport(BaseModel):
     capacity_from: Literal["estimates", "default"]
     demand_tokens_per_s: float
     dcut: DCutSnapshot | None = Field(None, description="The engine's D-Cut snapshot; None with D-Cut off.")
+    specexit: SpecExitStats | None = Field(None, description="SpecExit's counters; None with SpecExit off.")
 
 
 class CostTableOffer(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,9 +21,10 @@ from typing import Any
 
 from dcut.settings import EngineSettings
 from dcut.snapshot import DCutSnapshot
+from dcut.specexit import SpecExitSettings
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
-from deployments.records import EngineLoad
+from deployments.records import EngineLoad, SpecExitStats
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +162,7 @@ class VLLMEngine:
         from vllm.exceptions import VLLMClientError
 
         try:
+            body = self._specexit_args(body)
             request = request_cls.model_validate(body)
         except ValidationError as e:
             yield error_body(validation_message(e), 400, "BadRequestError")
@@ -184,10 +187,10 @@ class VLLMEngine:
             if isinstance(result, ErrorResponse):
                 yield result.model_dump()
             elif hasattr(result, "model_dump"):
-                yield result.model_dump(exclude_none=True)
+                yield await self._with_specexit_usage(result.model_dump(exclude_none=True))
             else:
                 async for chunk in result:
-                    yield chunk
+                    yield await self._with_specexit_usage(chunk)
         finally:
             self.load.ongoing_requests -= 1
 
@@ -200,6 +203,60 @@ class VLLMEngine:
     async def dcut_snapshot(self) -> DCutSnapshot | None:
         """The plugin's D-Cut snapshot (stats window, cost source and table, estimates); None when off."""
         return await dcut_api.aread_stats(self.engine)
+
+    async def specexit_stats(self) -> SpecExitStats | None:
+        """SpecExit's counters in the engine; None when this deployment does not run it."""
+        if self.settings.specexit is None:
+            return None
+        raw = await dcut_api.aread_specexit(self.engine)
+        return None if raw is None else SpecExitStats.model_validate(raw)
+
+    def _specexit_args(self, body: dict) -> dict:
+        """A request's ``"specexit"`` field (true, false, or settings overriding the deployment's), validated and
+        handed to the engine as ``vllm_xargs`` (vLLM's route for a request's extra arguments)."""
+        if not isinstance(body, dict) or "specexit" not in body:
+            return body
+        body = dict(body)
+        value = body.pop("specexit")
+        if self.settings.specexit is None:
+            if value in (False, None):
+                return body
+            raise ValueError("specexit: not enabled for this model (a deployment with engine.specexit set)")
+        if isinstance(value, dict):
+            SpecExitSettings.model_validate({**self.settings.specexit.model_dump(), **value})
+            arg = json.dumps(value)
+        elif isinstance(value, bool):
+            arg = "true" if value else "false"
+        else:
+            raise ValueError("specexit: expected true, false or an object of SpecExit settings")
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "specexit": arg}
+        return body
+
+    async def _with_specexit_usage(self, item: Any) -> Any:
+        """A response, or a stream's usage chunk, with what SpecExit did: ``completion_tokens_details.
+        reasoning_tokens`` (OpenAI's field) and ``specexit`` (exits, thinking tokens the head estimated they
+        saved). Other items pass as they are."""
+        if self.settings.specexit is None:
+            return item
+        chunk = isinstance(item, str)
+        if chunk:
+            if '"usage":{' not in item.replace(" ", "") or not item.startswith("data: "):
+                return item
+            data = json.loads(item[len("data: "):])
+        else:
+            data = item
+        if not isinstance(data.get("usage"), dict) or "id" not in data:
+            return item
+        found = await dcut_api.aread_specexit_usage(self.engine, data["id"])
+        if found:
+            usage = data["usage"]
+            usage["completion_tokens_details"] = {**(usage.get("completion_tokens_details") or {}),
+                                                  "reasoning_tokens": sum(u["reasoning_tokens"]
+                                                                          for u in found.values())}
+            usage["specexit"] = {"exits": sum(u["exited"] for u in found.values()),
+                                 "predicted_tokens_saved": round(sum(u["predicted_saved"] or 0.0
+                                                                     for u in found.values()), 1)}
+        return f"data: {json.dumps(data)}\n\n" if chunk else data
 
     def tokens_per_s(self) -> float:
         return self._throughput.rate()

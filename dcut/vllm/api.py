@@ -36,3 +36,18 @@ async def aread_stats(engine: Any) -> DCutSnapshot | None:
 async def aread_cost_table(engine: Any) -> dict[str, Any] | None:
     """As ``read_cost_table``, for an ``AsyncLLM``."""
     return (await engine.collective_rpc("dcut_cost_table"))[0]
+
+
+async def aread_specexit(engine: Any) -> dict[str, Any] | None:
+    """SpecExit's counters and settings of an ``AsyncLLM``; None when off."""
+    return (await engine.collective_rpc("dcut_specexit_stats"))[0]
+
+
+def read_specexit_usage(llm: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """What SpecExit did per request (engine id -> usage) in an offline ``vllm.LLM``."""
+    return llm.collective_rpc("dcut_specexit_usage", args=(prefix,))[0]
+
+
+async def aread_specexit_usage(engine: Any, prefix: str) -> dict[str, dict[str, Any]]:
+    """As ``read_specexit_usage``, for an ``AsyncLLM`` and the requests of one response id."""
+    return (await engine.collective_rpc("dcut_specexit_usage", args=(prefix,)))[0]

@@ -38,6 +38,7 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         # Drafts are cut before the next schedule: synchronous scheduling either way, so that
         # D-Cut and full-width verification are compared on equal terms.
         kw["async_scheduling"] = False
-        if settings.dcut is not None:
-            kw["additional_config"] = {"dcut": settings.dcut.model_dump()}
+        extra = {"dcut": settings.dcut, "specexit": settings.specexit}
+        if extra := {name: s.model_dump(mode="json") for name, s in extra.items() if s is not None}:
+            kw["additional_config"] = extra
     return kw

@@ -19,6 +19,9 @@ Wrapped functions:
   time the drafter; at width 0 keep the drafter in sync (``dcut.vllm.catch_up``); decide keep
   depths right after drafting.
 - ``GPUModelRunner.take_draft_token_ids`` — cut the drafts before the scheduler takes them.
+- ``GPUModelRunner._sample`` — (SpecExit, ``dcut.vllm.specexit``) end a request's thinking at a paragraph end:
+  cut its row of sampled tokens there and put ``</think>`` in the next slot. ``_sample_draft_tokens`` also
+  runs SpecExit's signal head on the drafter's hidden states, ``propose_draft_token_ids`` folds them in.
 - ``Worker.compile_or_warm_up_model`` / ``CPUWorker.compile_or_warm_up_model`` — load, or
   profile with the engine's own dummy steps, the cost table once the KV cache exists.
 
@@ -49,6 +52,7 @@ import torch
 from dcut.selection import log_confidence
 from dcut.vllm.catch_up import ContextStash
 from dcut.vllm.fingerprint import fingerprint_for
+from dcut.vllm.specexit import RunnerSpecExit, engine_settings
 from dcut.vllm.state import RunnerDCut, settings_from_config
 
 logger = logging.getLogger("vllm.dcut")
@@ -85,6 +89,7 @@ def install() -> None:
         _wrap(GPUModelRunner, "_prepare_inputs", _runner_prepare_inputs, ("self", "scheduler_output"))
         _wrap(GPUModelRunner, "propose_draft_token_ids", _runner_propose_draft_token_ids, _RUNNER_PROPOSE_PARAMS)
         _wrap(GPUModelRunner, "take_draft_token_ids", _runner_take_draft_token_ids, ("self",))
+        _wrap(GPUModelRunner, "_sample", _runner_sample, ("self", "logits", "spec_decode_metadata"))
         _wrap(Worker, "compile_or_warm_up_model", _worker_compile_or_warm_up_model)
         _wrap(rejection_sampler, "expand_batch_to_tokens", _expand_on_cpu,
               ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"))
@@ -137,6 +142,17 @@ def runner_dcut(runner: Any) -> RunnerDCut | None:
     return state
 
 
+def runner_specexit(runner: Any) -> RunnerSpecExit | None:
+    """The SpecExit state of a model runner, created on first use (and handed to its drafter, whose pass
+    computes the signals); None when SpecExit is off."""
+    state = runner.__dict__.get("_dcut_specexit", False)
+    if state is False:
+        state = runner._dcut_specexit = RunnerSpecExit.from_config(runner.vllm_config)
+        if state is not None:
+            runner.drafter.dcut_specexit = state
+    return state
+
+
 # -- vllm.v1.sample.rejection_sampler.expand_batch_to_tokens -----------------------------------------
 def expand_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int, replace_from: float = 0,
                      replace_to: float = 0) -> torch.Tensor:
@@ -169,7 +185,8 @@ def _sampling_constraints_over_no_tokens(original: Callable[..., Any]) -> Callab
 def _config_post_init(version_mismatch: str | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def __post_init__(self: Any) -> None:  # noqa: N807
-            if settings_from_config(self) is not None:  # validates: a bad setting stops the engine here
+            # both validate: a bad setting stops the engine here
+            if settings_from_config(self) is not None or engine_settings(self) is not None:
                 if version_mismatch:
                     raise RuntimeError(f"D-Cut was written for vLLM {EXPECTED_VLLM_VERSION}; "
                                        f"vLLM {version_mismatch} is installed")
@@ -181,7 +198,10 @@ def _config_post_init(version_mismatch: str | None) -> Callable[[Callable[..., A
 
 def _make_config_compatible(config: Any) -> None:
     spec = config.speculative_config
-    if spec is None or spec.method not in CONFIDENT_METHODS:
+    if engine_settings(config) is not None and (spec is None or spec.method != "dflash"):
+        raise ValueError(f"additional_config.specexit reads a DFlash drafter's signals; speculative method is "
+                         f"{None if spec is None else spec.method!r}")
+    if settings_from_config(config) is not None and (spec is None or spec.method not in CONFIDENT_METHODS):
         method = None if spec is None else spec.method
         raise ValueError(f"additional_config.dcut needs a drafter that gives confidences "
                          f"({', '.join(CONFIDENT_METHODS)}); speculative method is {method!r}")
@@ -205,7 +225,7 @@ def _proposer_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         on = self.__dict__.get("_dcut_on")
         if on is None:
             on = self._dcut_on = settings_from_config(self.vllm_config) is not None
-        if not on:
+        if not on:  # (SpecExit alone needs only _sample_draft_tokens)
             return original(self, *args, **kwargs)
         self._dcut_logc = []
         self.dcut_log_conf = None
@@ -221,6 +241,9 @@ def _proposer_propose(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _proposer_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     def _sample_draft_tokens(self: Any, hidden_states: torch.Tensor, sampling_metadata: Any) -> Any:
+        specexit = self.__dict__.get("dcut_specexit")
+        if specexit is not None:
+            specexit.raw = specexit.head(hidden_states)
         sink = self.__dict__.get("_dcut_logc")
         if sink is None:
             return original(self, hidden_states, sampling_metadata)
@@ -250,6 +273,9 @@ def _proposer_sample_draft_tokens(original: Callable[..., Any]) -> Callable[...,
 # -- GPUModelRunner.execute_model / propose_draft_token_ids / take_draft_token_ids ----------------
 def _runner_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        specexit = runner_specexit(self)
+        if specexit is not None and scheduler_output.finished_req_ids:
+            specexit.drop(scheduler_output.finished_req_ids)
         state = runner_dcut(self)
         if state is not None:
             stash = self.__dict__.get("_dcut_stash")
@@ -268,10 +294,14 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
                                 aux_hidden_states: Any, spec_decode_metadata: Any, common_attn_metadata: Any,
                                 *args: Any, **kwargs: Any) -> Any:
         state = runner_dcut(self)
+        specexit = runner_specexit(self)
         if state is None:
-            return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
-                            sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
-                            *args, **kwargs)
+            drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+                              sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
+                              *args, **kwargs)
+            if specexit is not None:
+                specexit.on_drafted(list(self.input_batch.req_ids), self.requests, self.num_spec_tokens)
+            return drafts
         req_ids = list(self.input_batch.req_ids)
         width = _agreed(self, state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule))
         state.width = width
@@ -288,6 +318,8 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
             drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                               sample_hidden_states, aux_hidden_states, spec_decode_metadata, common_attn_metadata,
                               *args, **kwargs)
+        if specexit is not None:
+            specexit.on_drafted(req_ids, self.requests, width)
         log_conf = getattr(self.drafter, "dcut_log_conf", None) if torch.is_tensor(drafts) and width else None
         num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
         state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft)
@@ -370,11 +402,25 @@ def _runner_take_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
     return take_draft_token_ids
 
 
+# -- GPUModelRunner._sample -------------------------------------------------------------------------
+def _runner_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, logits, spec_decode_metadata, *args, **kwargs)
+        specexit = runner_specexit(self)
+        if specexit is not None:
+            req_ids = list(self.input_batch.req_ids)
+            if all(r in self.requests for r in req_ids):  # not a dummy (profiling, warm-up) step
+                specexit.apply(req_ids, self.requests, out.sampled_token_ids)
+        return out
+    return _sample
+
+
 # -- Worker.compile_or_warm_up_model --------------------------------------------------------------
 def _worker_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
         runner = self.model_runner
+        runner_specexit(runner)  # a pair SpecExit cannot run on fails here, at start-up
         state = runner_dcut(runner)
         if state is not None and state.cost_source == "pending":
             state.load_or_profile(functools.partial(_profile_step, runner, state),

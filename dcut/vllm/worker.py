@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcut.vllm.patches import runner_dcut
+from dcut.vllm.patches import runner_dcut, runner_specexit
 
 
 class DCutWorkerExtension:
@@ -23,3 +23,13 @@ class DCutWorkerExtension:
         state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
         if state is not None:
             state.reset_stats()
+
+    def dcut_specexit_stats(self) -> dict[str, Any] | None:
+        """SpecExit's counters and settings (``dcut.vllm.specexit.RunnerSpecExit.stats``); None when off."""
+        state = runner_specexit(self.model_runner)  # type: ignore[attr-defined]
+        return None if state is None else state.stats()
+
+    def dcut_specexit_usage(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """What SpecExit did for the requests whose engine id starts with ``prefix``."""
+        state = runner_specexit(self.model_runner)  # type: ignore[attr-defined]
+        return {} if state is None else state.usage(prefix)

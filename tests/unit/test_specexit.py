@@ -85,3 +85,110 @@ def test_heldout_problems_never_appear_in_training() -> None:
     held = {(p.a, p.b) for p in problems(200, seed=3, heldout=True)}
     assert len(held) == 200 and not train & held
     assert answer_of("<think>x</think>\n123") == "123" and answer_of("no think 123") is None
+
+
+# ---- inside the model runner (dcut.vllm.specexit), on synthetic rows ----------------------------------------
+
+TEXTS = ["<eos>", "<think>", "</think>", "A", ".\n\n", "\n", "B"]  # a toy vocabulary
+EOS, START, END, A, PARA, NL, B = range(7)
+
+
+def _runner(conf_logit: float = 5.0, settings: SpecExitSettings = DEFAULT):
+    from dcut.vllm.specexit import RunnerSpecExit
+
+    bias = torch.tensor([conf_logit, 2.0, math.log(10.0)])  # sure, 88% through, 10 tokens left
+    return RunnerSpecExit(settings, torch.zeros(3, 4), bias, TEXTS, START, END)
+
+
+def _cached(prompt: list[int], extra_args: dict | None = None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(prompt_token_ids=prompt, output_token_ids=[],
+                           sampling_params=SimpleNamespace(extra_args=extra_args))
+
+
+def _draft(runner, req_ids: list[str], cached: dict, width: int = 2) -> None:
+    runner.raw = runner.head(torch.randn(len(req_ids) * width, 4))
+    runner.on_drafted(req_ids, cached, width)
+
+
+def test_the_cut_puts_think_end_after_the_first_paragraph_end_and_only_while_thinking() -> None:
+    runner = _runner()
+    cached = {"t": _cached([A, START]), "answer": _cached([A])}  # "answer" never thinks
+    _draft(runner, ["t", "answer"], cached)
+    rows = torch.tensor([[A, PARA, B, A, -1], [A, PARA, B, -1, -1]])
+    runner.apply(["t", "answer"], cached, rows)
+    assert rows.tolist() == [[A, PARA, END, -1, -1], [A, PARA, B, -1, -1]]
+    usage = runner.usage("t")["t"]
+    assert usage["exited"] and usage["reasoning_tokens"] == 3 and usage["exit_at"] == 2
+    assert usage["predicted_saved"] == pytest.approx(10.0)
+    _draft(runner, ["t"], cached)
+    after = torch.tensor([[A, PARA, B]])
+    runner.apply(["t"], cached, after)  # the answer now: never cut again
+    assert after.tolist() == [[A, PARA, B]] and runner.totals.exits == 1
+
+
+def test_no_signals_weak_signals_or_no_paragraph_end_leave_the_row_alone() -> None:
+    cached = {"t": _cached([START])}
+    for runner, drafted, row in ((_runner(), False, [A, PARA, B]),  # no drafter pass yet: no signals
+                                 (_runner(conf_logit=-5.0), True, [A, PARA, B]),  # not confident
+                                 (_runner(), True, [A, B, A])):  # no paragraph ends
+        if drafted:
+            _draft(runner, ["t"], cached)
+        rows = torch.tensor([row])
+        runner.apply(["t"], cached, rows)
+        assert rows.tolist() == [row] and runner.totals.exits == 0
+
+
+def test_a_split_across_tokens_and_a_split_on_the_last_slot() -> None:
+    split = SpecExitSettings(split_strings=("\n\n",))
+    runner, cached = _runner(settings=split), {"t": _cached([START])}
+    _draft(runner, ["t"], cached)
+    first = torch.tensor([[A, NL]])  # the paragraph ends with the next step's first token
+    runner.apply(["t"], cached, first)
+    assert first.tolist() == [[A, NL]]
+    second = torch.tensor([[NL, B, A]])
+    runner.apply(["t"], cached, second)
+    assert second.tolist() == [[NL, END, -1]]
+    runner2 = _runner()
+    _draft(runner2, ["t"], cached)
+    full = torch.tensor([[A, PARA]])  # no slot left for </think>: it comes first in the next step
+    runner2.apply(["t"], cached, full)
+    nxt = torch.tensor([[B, A, -1]])
+    runner2.apply(["t"], cached, nxt)
+    assert full.tolist() == [[A, PARA]] and nxt.tolist() == [[END, -1, -1]]
+
+
+def test_a_request_may_turn_it_off_or_tighten_it() -> None:
+    from dcut.vllm.specexit import request_settings
+
+    runner = _runner()
+    cached = {"off": _cached([START], {"specexit": "false"}),
+              "strict": _cached([START], {"specexit": '{"confidence_min": 0.999}'}),
+              "on": _cached([START], {"specexit": True})}
+    ids = list(cached)
+    _draft(runner, ids, cached)
+    rows = torch.tensor([[A, PARA, B]] * 3)
+    runner.apply(ids, cached, rows)
+    assert rows.tolist() == [[A, PARA, B], [A, PARA, B], [A, PARA, END]]
+    assert set(runner.usage("")) == {"strict", "on"}  # off: not a SpecExit request at all
+    with pytest.raises(ValidationError, match="alpha"):
+        request_settings(DEFAULT, {"specexit": {"alpha": 2}})
+
+
+def test_finished_requests_keep_their_usage_by_engine_id_prefix() -> None:
+    runner, cached = _runner(), {"cmpl-1-0-ab12": _cached([START]), "cmpl-2-0-cd34": _cached([START])}
+    _draft(runner, list(cached), cached)
+    runner.apply(list(cached), cached, torch.tensor([[A, PARA, B], [A, B, A]]))
+    runner.drop({"cmpl-1-0-ab12"})
+    assert "cmpl-1-0-ab12" not in runner.requests
+    assert runner.usage("cmpl-1")["cmpl-1-0-ab12"]["exited"]
+    assert not runner.usage("cmpl-2")["cmpl-2-0-cd34"]["exited"]
+    assert runner.stats()["exits"] == 1 and runner.stats()["thinking_now"] == 1
+
+
+def test_a_head_of_the_wrong_shape_is_refused() -> None:
+    from dcut.vllm.specexit import RunnerSpecExit
+
+    with pytest.raises(ValueError, match="head"):
+        RunnerSpecExit(DEFAULT, torch.zeros(2, 4), torch.zeros(2), TEXTS, START, END)
