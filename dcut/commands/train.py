@@ -56,6 +56,12 @@ PAIRS = {
 }
 
 
+REASONING_STAGES = ("data", "target", "drafter", "head", "verify")
+# The reasoning target: the dense pair's shape with this task's vocabulary (set from the data stage).
+REASONING_TARGET = {"kind": "dense", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768}
+REASONING_DRAFTER = {"num_hidden_layers": 1, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]}
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="models", help="folder for the shipped models (default: models)")
     p.add_argument("--runs", default="runs", help="folder for data caches and checkpoints (default: runs)")
@@ -102,6 +108,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True, help="cost_table.json from `dcut profile` of the pair")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
+    p = sub.add_parser("reasoning", help="the reasoning pair for SpecExit (issue 13): addition traces, tokenizer, "
+                       "target, DFlash drafter, signal head, vLLM check and cards; finished stages are skipped")
+    _common(p)
+    for prefix, minutes, lr in (("target-", 15.0, 2e-3), ("drafter-", 6.0, 2e-3)):
+        _target_args(p, prefix, minutes, lr)
+    p.add_argument("--train-problems", type=int, default=20_000)
+    p.add_argument("--num-prompts", type=int, default=16, help="held-out problems for the vLLM check")
+    p.add_argument("--max-tokens", type=int, default=700)
+    p.add_argument("--until", choices=REASONING_STAGES, default=REASONING_STAGES[-1],
+                   help="stop after this stage (default: the last)")
     p = sub.add_parser("all", help="every stage in order, skipping finished ones, resuming checkpoints")
     _common(p)
     for kind, pair in PAIRS.items():
@@ -144,12 +160,38 @@ def _verify_json(runs: Path, target: str, k: int) -> Path:
     return runs / (f"verify-{target}.json" if k == 15 else f"verify-{target}-k{k}.json")
 
 
+def verify_subprocess(target: Path, drafter: Path, prompts: Path, num_prompts: int, max_tokens: int, k: int,
+                      js: Path, *extra: str) -> dict:
+    """`python -m dcut.train.verify` in a subprocess (vLLM needs a __main__ guard), its result from ``js``
+    with the command that reproduces it; its output goes to ``js`` with suffix ``.log``."""
+    from dcut.cli import CommandError
+    from dcut.settings import engine_env
+    from dcut.train import loop as L
+
+    args = ["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--num-prompts",
+            str(num_prompts), "--max-tokens", str(max_tokens), "-k", str(k), *extra]
+    env = {**os.environ, **engine_env(kv_cache_gib=1)}
+    L.log(f"verify {target.name}: " + " ".join(args))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "dcut.train.verify", *args, "--json", str(js)], env=env,
+                          capture_output=True, text=True)
+    log_path = js.with_suffix(".log")
+    log_path.write_text(proc.stdout + proc.stderr)
+    if not js.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        raise CommandError(f"vLLM verification of {target} failed (rc {proc.returncode}); log: {log_path}\n{tail}")
+    res = json.loads(js.read_text())
+    res["command"] = ("VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 python -m dcut.train.verify "
+                      + " ".join(args))
+    res["seconds"] = round(time.time() - t0, 1)
+    return res
+
+
 def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: int, k: int = 15) -> dict:
     """vLLM check in a subprocess (vLLM needs a __main__ guard) drafting ``k`` positions per step,
     plus (at the full block) the PyTorch replay."""
     from dcut.cli import CommandError
     from dcut.prompts import load_prompts
-    from dcut.settings import engine_env
     from dcut.train import loop as L
     from dcut.train import models as M
     from dcut.train import pipeline as P
@@ -161,23 +203,7 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
         raise CommandError(f"{out / tname} and {out / dname} must be trained first")
     js = _verify_json(runs, tname, k)
     prompts_file = out / "heldout_prompts.jsonl"
-    cmd = [sys.executable, "-m", "dcut.train.verify", "--target", str(out / tname), "--drafter", str(out / dname),
-           "--prompts", str(prompts_file), "--num-prompts", str(num_prompts), "--max-tokens", str(max_tokens),
-           "-k", str(k), "--json", str(js)]
-    env = {**os.environ, **engine_env(kv_cache_gib=1)}
-    L.log(f"verify {kind}: " + " ".join(cmd))
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    log_path = js.with_suffix(".log")
-    log_path.write_text(proc.stdout + proc.stderr)
-    if not js.exists():
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise CommandError(f"vLLM verification of {kind} failed (rc {proc.returncode}); log: {log_path}\n{tail}")
-    res = json.loads(js.read_text())
-    res["command"] = (f"VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 python -m dcut.train.verify "
-                      f"--target {out / tname} --drafter {out / dname} --prompts {prompts_file} "
-                      f"--num-prompts {num_prompts} --max-tokens {max_tokens} -k {k}")
-    res["seconds"] = round(time.time() - t0, 1)
+    res = verify_subprocess(out / tname, out / dname, prompts_file, num_prompts, max_tokens, k, js)
     if k == 15:
         prompts = load_prompts(prompts_file)[:num_prompts]
         target = P.load_target(out / tname)
@@ -225,6 +251,61 @@ def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts:
     record = {"rows": rows, "acceptance": acceptance, "source": source, "in_regime": R.in_regime(rows)}
     (runs / f"regime-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def train_reasoning(out: Path, runs: Path, args) -> None:
+    """The reasoning pair's stages in order, each skipped when finished, up to ``args.until``."""
+    from dcut.train import cards as C
+    from dcut.train import models as M
+    from dcut.train import pipeline as P
+    from dcut.train import reasoning_pair as RP
+
+    stages = REASONING_STAGES[:REASONING_STAGES.index(args.until) + 1]
+    meta = RP.stage_data(out, runs, args.train_problems, n_heldout=500, seed=args.seed)
+    if "target" in stages:
+        spec = M.TargetSpec(**REASONING_TARGET, vocab_size=meta["vocab_size"])
+        P.stage_target(RP.TARGET, spec, out, runs, _reasoning_budget(args.target_minutes, args.target_steps,
+                                                                     args.target_lr, drafter=False), args.seed)
+    if "drafter" in stages:
+        P.stage_drafter(RP.DRAFTER, RP.TARGET, M.DrafterSpec(block_size=16, **REASONING_DRAFTER), out, runs,
+                        _reasoning_budget(args.drafter_minutes, args.drafter_steps, args.drafter_lr, drafter=True),
+                        args.seed)
+    if "head" in stages:
+        RP.stage_head(out, runs, meta, seed=args.seed)
+        ver = verify_reasoning(out, runs, args.num_prompts, args.max_tokens) if "verify" in stages else None
+        C.write_reasoning_cards(out, runs, RP.TARGET, RP.DRAFTER, ver)
+
+
+def verify_reasoning(out: Path, runs: Path, num_prompts: int, max_tokens: int) -> dict:
+    """The pair in vLLM with DFlash (15 drafts), greedy until EOS: loads, output identical to the target
+    alone, answers scored, acceptance; recorded once in ``runs/verify-reasoning.json``."""
+    import numpy as np
+
+    from dcut.train import loop as L
+    from dcut.train import reasoning as R
+    from dcut.train import reasoning_pair as RP
+
+    js = runs / "verify-reasoning.json"
+    if js.exists():
+        return json.loads(js.read_text())
+    res = verify_subprocess(out / RP.TARGET, out / RP.DRAFTER, out / RP.HELDOUT_FILE, num_prompts, max_tokens, 15,
+                            js, "--stop-at-eos")
+    answers = [a for _, a in RP.heldout_problems(out)][:num_prompts]
+    res["correct"] = [R.answer_of(t) == a for t, a in zip(res["texts"], answers, strict=True)]
+    res["accuracy"] = float(np.mean(res["correct"]))
+    res["mean_generated_tokens"] = float(np.mean(res["generated_tokens"]))
+    js.write_text(json.dumps(res, indent=2) + "\n")
+    L.log(f"verify reasoning: identical={res['all_identical']} accuracy={res['accuracy']:.3f} "
+          f"mean accepted/step={res['mean_accepted_per_step']} mean generated={res['mean_generated_tokens']:.1f}")
+    return res
+
+
+def _reasoning_budget(minutes: float, steps: int, lr: float, *, drafter: bool):
+    """Batches of 8 x 512 tokens (about 11 traces): the task is learnt from many short traces."""
+    from dcut.train.loop import Budget
+
+    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=8 if not drafter else 4, lr=lr,
+                  warmup=30 if drafter else 50)
 
 
 def run(args) -> int:
@@ -275,6 +356,8 @@ def run(args) -> int:
     elif stage == "regime":
         measure_regime(out, runs, args.pair, Path(args.profile), args.num_prompts, args.max_tokens)
         C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
+    elif stage == "reasoning":
+        train_reasoning(out, runs / "reasoning", args)
     elif stage == "all":
         P.stage_tokenizer(out, runs)
         for kind in args.pairs:

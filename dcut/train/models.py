@@ -268,9 +268,10 @@ def target_aux_hidden(target, input_ids: torch.Tensor, layer_ids: list[int]):
     return out.logits, aux
 
 
-def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors, widths=None):
-    """Build query blocks [anchor token, mask x (block-1)] at the anchors and return logits
-    [B, nb, block, V] (slot k predicts position anchor + k); ``widths`` as in `block_attention_mask`."""
+def drafter_hidden(drafter: DFlashDrafter, target, aux, input_ids, anchors, widths=None):
+    """Build query blocks [anchor token, mask x (block-1)] at the anchors and return the drafter's final-normed
+    hidden states [B, nb, block, H] (slot k drafts position anchor + k; what the target's lm_head and the
+    SpecExit head read); ``widths`` as in `block_attention_mask`."""
     block = drafter.dspec.block_size
     B, T = input_ids.shape
     nb = anchors.shape[1]
@@ -280,8 +281,12 @@ def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors, widt
     q_pos = anchors[:, :, None] + torch.arange(block, device=input_ids.device)
     mask = block_attention_mask(anchors, T, block, widths)
     hid = drafter(aux, None, embed(q_ids.view(B, nb * block)), q_pos.view(B, nb * block), mask)
-    logits = target.lm_head(hid)
-    return logits.view(B, nb, block, -1)
+    return hid.view(B, nb, block, -1)
+
+
+def drafter_logits(drafter: DFlashDrafter, target, aux, input_ids, anchors, widths=None):
+    """The drafts' logits [B, nb, block, V] (`drafter_hidden` through the target's lm_head)."""
+    return target.lm_head(drafter_hidden(drafter, target, aux, input_ids, anchors, widths))
 
 
 def position_weights(block: int, gamma: float) -> torch.Tensor:

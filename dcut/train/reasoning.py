@@ -13,11 +13,18 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 THINK_START, THINK_END = "<think>", "</think>"
+PARAGRAPH = "\n\n"  # ends a paragraph: one token, where SpecExit may cut
+SETTLED = "So the sum is"  # opens the paragraph after which the answer is settled
 PLACES = ("Units", "Tens", "Hundreds", "Thousands", "Ten-thousands", "Hundred-thousands")
 HELDOUT_PERCENT = 10
+# P(n re-checks), n = 0..12. Greedy decoding stops after check k once stopping is likelier than going on, i.e.
+# once P(n = k) > P(n > k): only at k = 10 (hazard 4/6; at most 1/7 before it), so the target's own greedy output
+# re-checks 10 times while the traces still vary from 3 to 12 (`Trace.labels` has something to learn).
+RECHECK_WEIGHTS = (0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ def make_problem(rng: random.Random, digits: tuple[int, int] = (3, 5)) -> Proble
 
 
 def _columns(p: Problem) -> list[str]:
+    """One paragraph per column, always naming the digit written (the sum is then read back from them)."""
     xs, ys = str(p.a)[::-1], str(p.b)[::-1]
     carry, out = 0, []
     for i in range(max(len(xs), len(ys))):
@@ -67,31 +75,33 @@ def _columns(p: Problem) -> list[str]:
         total = x + y + carry
         terms = f"{x} + {y}" + (f" + {carry}" if carry else "")
         carry = total // 10
-        out.append(f"{PLACES[i]}: {terms} = {total}" + (f", write {total % 10}, carry 1." if carry else "."))
+        out.append(f"{PLACES[i]}: {terms} = {total}, write {total % 10}" + (", carry 1." if carry else "."))
     if carry:
         out.append("Carry the final 1.")
     return out
 
 
-def _rechecks(p: Problem, rng: random.Random, n: int) -> list[str]:
+def _rechecks(p: Problem, n: int) -> list[str]:
+    """``n`` numbered re-checks in a fixed order, each only restating known numbers: nothing new is decided
+    after the sum is stated, and the number says how far the over-thinking has gone (the stopping rule is
+    learnable, `RECHECK_WEIGHTS`)."""
     s = p.a + p.b
-    pool = [f"Let me check. {s} - {p.b} = {p.a}. Correct.",
-            f"Let me check again by adding in the other order. {p.b} + {p.a} = {s}.",
-            f"Check with subtraction the other way: {s} - {p.a} = {p.b}. Yes.",
-            f"Estimate: about {round(p.a, -2)} + {round(p.b, -2)} = {round(p.a, -2) + round(p.b, -2)}, "
-            f"close to {s}. Fine.",
-            f"Double-check the units: {p.a % 10} + {p.b % 10} ends in {(p.a + p.b) % 10}. Fine.",
-            f"One more look: {p.a} + {p.b} = {s}."]
-    return [rng.choice(pool) for _ in range(n)]
+    pool = [f"{s} - {p.b} = {p.a}. Correct.",
+            f"{p.b} + {p.a} = {s}. Same.",
+            f"{s} - {p.a} = {p.b}. Yes.",
+            f"{p.a} + {p.b} = {s}. Fine.",
+            f"the units digit of {s} is {s % 10}. Right.",
+            f"{s} is the sum of {p.a} and {p.b}. Sure."]
+    return [f"Check {k + 1}: {pool[k % len(pool)]}" for k in range(n)]
 
 
-def make_trace(p: Problem, rng: random.Random, max_rechecks: int = 6) -> Trace:
-    """The column sums, the sum stated, then 0..``max_rechecks`` redundant checks (the over-thinking)."""
+def make_trace(p: Problem, rng: random.Random) -> Trace:
+    """The column sums, the sum stated, then a random number of redundant checks (the over-thinking)."""
     paragraphs = [f"Add {p.a} and {p.b}.", *_columns(p), f"So the sum is {p.answer}."]
     head = THINK_START + "\n" + "\n\n".join(paragraphs) + "\n\n"
     settled_at = len(head)
-    checks = _rechecks(p, rng, rng.randint(0, max_rechecks))
-    think = head + "".join(c + "\n\n" for c in checks) + f"The answer is {p.answer}.\n"
+    n = rng.choices(range(len(RECHECK_WEIGHTS)), weights=RECHECK_WEIGHTS)[0]
+    think = head + "".join(c + "\n\n" for c in _rechecks(p, n)) + f"The answer is {p.answer}.\n"
     return Trace(p, think + THINK_END + "\n" + p.answer, len(think), settled_at)
 
 
@@ -100,6 +110,43 @@ def answer_of(completion: str) -> str | None:
     _, sep, after = completion.partition(THINK_END)
     match = re.search(r"-?\d+", after) if sep else None
     return match.group(0) if match else None
+
+
+def chat_prompt(p: Problem) -> str:
+    """The problem as `dcut.train.tokenizer.CHAT_TEMPLATE` renders a user turn (the chat route's prompt)."""
+    return f"<|im_start|>user\n{p.prompt.strip()}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass(frozen=True)
+class ThinkSpan:
+    """Where a tokenised completion thinks, in token positions of the sequence it was found in."""
+
+    start: int  # first token inside the thinking (after ``<think>``)
+    settled: int  # first token after the paragraph that states the sum: cutting before it keeps the answer
+    end: int  # the ``</think>`` token
+
+    def labels(self) -> list[tuple[int, float, float, float]]:
+        """(position, confidence, progress, remaining tokens) for each position from ``start`` to ``end``:
+        progress runs 0 -> 1 and remaining counts down to 0 at ``</think>``."""
+        n = self.end - self.start
+        return [(p, float(p >= self.settled), (p - self.start) / n, float(self.end - p))
+                for p in range(self.start, self.end + 1)]
+
+
+def _find(ids: Sequence[int], pattern: Sequence[int], start: int, stop: int) -> int | None:
+    k = len(pattern)
+    return next((i for i in range(start, stop - k + 1) if list(ids[i:i + k]) == list(pattern)), None)
+
+
+def think_span(ids: Sequence[int], think_start_id: int, think_end_id: int, settled_ids: Sequence[int],
+               paragraph_id: int) -> ThinkSpan | None:
+    """The first thinking section of ``ids`` with its settled point (the paragraph end after ``SETTLED``), or
+    None when a part is missing (a greedy output that never closes its thinking or never states a sum)."""
+    s = _find(ids, [think_start_id], 0, len(ids))
+    e = None if s is None else _find(ids, [think_end_id], s + 1, len(ids))
+    m = None if e is None else _find(ids, settled_ids, s + 1, e)
+    q = None if m is None else _find(ids, [paragraph_id], m + len(settled_ids), e)
+    return None if q is None else ThinkSpan(s + 1, q + 1, e)
 
 
 def problems(n: int, seed: int, heldout: bool) -> list[Problem]:

@@ -21,12 +21,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = 4096):
-    """Train a byte-level BPE tokenizer (deterministic for a given text list)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(texts: list[str], vocab_size: int = 4096, added: tuple[str, ...] = (),
+                    individual_digits: bool = False):
+    """Train a byte-level BPE tokenizer (deterministic for a given text list). ``added``: strings that are
+    always one token and stay in decoded text (not special: vLLM's ``skip_special_tokens`` keeps them);
+    ``individual_digits``: one token per digit (column arithmetic then sees each digit alone)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if individual_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -38,6 +43,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    tok.add_tokens([AddedToken(a, special=False, normalized=False) for a in added])
     return tok
 
 
@@ -46,9 +52,9 @@ def save_hf_tokenizer(tok, folder: Path, model_max_length: int = 1024) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     added = {
-        str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, s in enumerate(SPECIAL_TOKENS)
+        str(i): {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
+                 "single_word": False, "special": t.special}
+        for i, t in sorted(tok.get_added_tokens_decoder().items())
     }
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -57,11 +57,13 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def run_verify(target: str, drafter: str | None, prompts: list[str], max_tokens: int, k: int,
-               max_num_seqs: int = 8) -> dict:
+               max_num_seqs: int = 8, ignore_eos: bool = True) -> dict:
+    """``ignore_eos``: every output runs to ``max_tokens`` (steady-state acceptance); False stops at EOS, as a
+    reasoning pair's answers end (its texts are returned to be scored)."""
     _environment()
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     res: dict = {"target": target, "drafter": drafter, "num_prompts": len(prompts), "max_tokens": max_tokens}
     t0 = time.time()
     llm = check_engine(target, max_num_seqs=max_num_seqs, disable_log_stats=False)
@@ -91,6 +93,9 @@ def run_verify(target: str, drafter: str | None, prompts: list[str], max_tokens:
     res["acceptance_per_pos"] = [round(x / drafts, 4) if drafts else 0.0 for x in per_pos]
     res["mean_accepted_per_step"] = round(accepted / drafts, 4) if drafts else 0.0
     res["sample_text"] = llm.get_tokenizer().decode(spec[0][:64])
+    if not ignore_eos:
+        res["texts"] = [llm.get_tokenizer().decode(s, skip_special_tokens=True) for s in spec]
+        res["generated_tokens"] = [len(s) for s in spec]
     return res
 
 
@@ -131,10 +136,12 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=15)
+    ap.add_argument("--stop-at-eos", action="store_true", help="stop outputs at EOS and return their texts")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     prompts = load_prompts(a.prompts)[: a.num_prompts]
-    res = run_verify(a.target, a.drafter, prompts, a.max_tokens, a.num_speculative_tokens)
+    res = run_verify(a.target, a.drafter, prompts, a.max_tokens, a.num_speculative_tokens,
+                     ignore_eos=not a.stop_at_eos)
     res.pop("outputs", None)
     text = json.dumps(res, indent=2)
     print("VERIFY_RESULT " + json.dumps(res))
