@@ -31,15 +31,24 @@ class DCutRequestRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter)
         """``request_router_kwargs``: figures older than ``stale_after_s`` are not trusted."""
         self.stale_after_s = stale_after_s
         self.fallbacks = 0
+        self._parsed: dict[str, tuple[dict, RoutingStats | None]] = {}  # replica -> (its raw stats, parsed)
+
+    def _stats(self, replica: RunningReplica) -> RoutingStats | None:
+        """A replica's figures, parsed once per update Serve gives us (not once per request)."""
+        raw = replica.routing_stats or {}
+        key = replica.replica_id.unique_id
+        cached = self._parsed.get(key)
+        if cached is None or cached[0] is not raw:
+            cached = self._parsed[key] = (raw, RoutingStats.from_dict(raw))
+        return cached[1]
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         cache = self.replica_queue_len_cache
-        order = rank_replicas([(r.replica_id.unique_id, RoutingStats.from_dict(r.routing_stats or {}),
-                                cache.get(r.replica_id)) for r in candidate_replicas],
-                              time.time(), self.stale_after_s)
+        order = rank_replicas([(r.replica_id.unique_id, self._stats(r), cache.get(r.replica_id))
+                               for r in candidate_replicas], time.time(), self.stale_after_s)
         if order is None:  # someone's figures are missing or stale: Serve's default choice
             self.fallbacks += 1
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]

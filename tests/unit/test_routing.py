@@ -110,7 +110,8 @@ def _replica(rid: str, figures: dict) -> SimpleNamespace:
 def test_router_puts_each_replica_in_its_own_rank_best_first(monkeypatch) -> None:
     monkeypatch.setattr("deployments.routing.time.time", lambda: NOW)
     router = SimpleNamespace(replica_queue_len_cache=SimpleNamespace(get=lambda replica_id: None),
-                             stale_after_s=6.0, fallbacks=0)
+                             stale_after_s=6.0, fallbacks=0, _parsed={})
+    router._stats = lambda replica: DCutRequestRouter._stats(router, replica)
     busy, idle = _replica("busy", stats(running=10).to_dict()), _replica("idle", stats(running=1).to_dict())
     ranks = asyncio.run(DCutRequestRouter.choose_replicas(router, [busy, idle]))
     assert ranks == [[idle], [busy]] and router.fallbacks == 0
@@ -118,6 +119,10 @@ def test_router_puts_each_replica_in_its_own_rank_best_first(monkeypatch) -> Non
     ranks = asyncio.run(DCutRequestRouter.choose_replicas(router, [busy, idle, new]))
     assert len(ranks) == 1 and len(ranks[0]) == 2 and router.fallbacks == 1
     assert asyncio.run(DCutRequestRouter.choose_replicas(router, [])) == []
+    parsed = router._parsed["busy"][1]
+    assert router._stats(busy) is parsed  # the same figures: parsed once
+    busy.routing_stats = stats(running=3).to_dict()  # Serve's next update: parsed again
+    assert router._stats(busy).running == 3
 
 
 def test_routing_settings_give_serve_a_router_config_only_when_asked() -> None:
