@@ -38,8 +38,9 @@ test: lint $(CHROMIUM)
 test-unit: lint   # pure logic on synthetic tensors and stub-free vLLM imports: no engine, under a minute
 	$(PY) -m pytest -q --durations=5 tests/unit
 
+CONFIG ?= app.config.yaml   # make serve CONFIG=app.reasoning.config.yaml: the reasoning pair with SpecExit
 serve: $(STAMP)
-	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run app.config.yaml
+	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run $(CONFIG)
 
 sweep: $(STAMP)
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/sweep

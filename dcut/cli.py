@@ -15,6 +15,7 @@ COMMANDS = {
     "profile": "dcut.commands.profile",
     "generate": "dcut.commands.generate",
     "sweep": "dcut.commands.sweep",
+    "specexit": "dcut.commands.specexit",
     "train": "dcut.commands.train",
 }
 

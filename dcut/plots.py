@@ -53,3 +53,24 @@ def _finish(fig: plt.Figure, ax: plt.Axes, out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_specexit(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    """Accuracy against mean generated tokens, one point per arm, one series per batch size (the arms' accuracy
+    does not depend on it; their latency does)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for bs in sorted({r["bs"] for r in rows}):
+        pts = [r for r in rows if r["bs"] == bs]
+        ax.scatter([r["mean_tokens"] for r in pts], [r["accuracy"] for r in pts], label=f"bs={bs}")
+        for r in pts:
+            ax.annotate(r["arm"], (r["mean_tokens"], r["accuracy"]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+    ax.set_xlabel("mean generated tokens per request")
+    ax.set_ylabel("accuracy on held-out problems")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "SpecExit: accuracy vs tokens")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -13,7 +13,8 @@ from app.config import AppConfig
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("name", ["app.config.yaml", "app.two-models.config.yaml", "app.gpu.config.yaml"])
+@pytest.mark.parametrize("name", ["app.config.yaml", "app.two-models.config.yaml", "app.gpu.config.yaml",
+                                  "app.reasoning.config.yaml"])
 def test_committed_configs_validate(name: str) -> None:
     apps = yaml.safe_load((REPO / name).read_text())["applications"]
     configs = [AppConfig.model_validate(a["args"]) for a in apps]

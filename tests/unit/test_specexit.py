@@ -192,3 +192,23 @@ def test_a_head_of_the_wrong_shape_is_refused() -> None:
 
     with pytest.raises(ValueError, match="head"):
         RunnerSpecExit(DEFAULT, torch.zeros(2, 4), torch.zeros(2), TEXTS, START, END)
+
+
+# ---- the serving layer's request field (deployments.vllm_engine), no engine started --------------------------
+
+def test_the_request_field_is_validated_and_handed_to_the_engine_as_extra_args() -> None:
+    from dcut.settings import EngineSettings
+    from deployments.vllm_engine import VLLMEngine
+
+    on = VLLMEngine(EngineSettings(specexit=SpecExitSettings()))
+    body = on._specexit_args({"prompt": "x", "specexit": {"confidence_min": 0.9}, "vllm_xargs": {"a": 1}})
+    assert "specexit" not in body and body["vllm_xargs"] == {"a": 1, "specexit": '{"confidence_min": 0.9}'}
+    assert on._specexit_args({"specexit": False})["vllm_xargs"] == {"specexit": "false"}
+    with pytest.raises(ValidationError, match="alpha"):
+        on._specexit_args({"specexit": {"alpha": 5}})
+    with pytest.raises(ValueError, match="expected true, false or an object"):
+        on._specexit_args({"specexit": "soon"})
+    off = VLLMEngine(EngineSettings())  # a model without SpecExit: asking for it is the client's error
+    with pytest.raises(ValueError, match="not enabled for this model"):
+        off._specexit_args({"specexit": True})
+    assert off._specexit_args({"specexit": False}) == {}
