@@ -111,7 +111,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("reasoning", help="the reasoning pair for SpecExit (issue 13): addition traces, tokenizer, "
                        "target, DFlash drafter, signal head, vLLM check and cards; finished stages are skipped")
     _common(p)
-    for prefix, minutes, lr in (("target-", 15.0, 2e-3), ("drafter-", 6.0, 2e-3)):
+    for prefix, minutes, lr in (("target-", 16.0, 2e-3), ("drafter-", 5.0, 2e-3)):
         _target_args(p, prefix, minutes, lr)
     p.add_argument("--train-problems", type=int, default=20_000)
     p.add_argument("--num-prompts", type=int, default=16, help="held-out problems for the vLLM check")

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dcut.specexit import SpecExitSettings
 from dcut.train import loop as L
 from dcut.train import pipeline as P
 from dcut.train import reasoning as R
@@ -20,6 +21,8 @@ from dcut.train import tokenizer as TK
 TARGET, DRAFTER = "reasoning", "reasoning-dflash"
 HELDOUT_FILE = "reasoning_heldout.jsonl"
 CHAT_SHARE = 0.25  # share of training problems posed through the chat template (the chat route's prompts)
+# SpecExit settings replayed offline on the held-out completions: the defaults (EWMA alpha 0.1) and a faster EWMA.
+REPLAY_SETTINGS = {"alpha 0.1 (default)": SpecExitSettings(), "alpha 0.5": SpecExitSettings(alpha=0.5)}
 
 
 def stage_data(out: Path, runs: Path, n_train: int, n_heldout: int, vocab_size: int = 512, seed: int = 0) -> dict:
@@ -43,7 +46,7 @@ def stage_data(out: Path, runs: Path, n_train: int, n_heldout: int, vocab_size: 
     with (out / HELDOUT_FILE).open("w") as fh:
         for p in splits["heldout"][:64]:
             fh.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
-    meta = {"task": "addition", "train_problems": n_train, "heldout_problems": n_heldout,
+    meta = {"task": "addition", "digits": list(R.DIGITS), "train_problems": n_train, "heldout_problems": n_heldout,
             "heldout_percent": R.HELDOUT_PERCENT, "recheck_weights": list(R.RECHECK_WEIGHTS),
             "chat_share": CHAT_SHARE, "vocab_size": tok.get_vocab_size(),
             "think_start_id": tok.token_to_id(R.THINK_START), "think_end_id": tok.token_to_id(R.THINK_END),
@@ -128,7 +131,7 @@ def stage_head(out: Path, runs: Path, meta: dict, n_train: int = 256, anchors: i
     t0 = time.time()
     sets = {"train": [(p.prompt, p.answer) for p in R.problems(n_train, seed + 1, heldout=False)],
             "heldout": heldout_problems(out)}
-    examples, figures = {}, {}
+    examples, figures, spans = {}, {}, {}
     for name, items in sets.items():
         prompts = [tok.encode(q).ids for q, _ in items]
         completions = greedy_completions(target, prompts, max_new_tokens)
@@ -136,20 +139,27 @@ def stage_head(out: Path, runs: Path, meta: dict, n_train: int = 256, anchors: i
                                                                                    strict=True)]
         figures[name] = summarise(records)
         L.log(f"reasoning greedy {name}: " + json.dumps(figures[name]))
-        spans = [(p + c, R.think_span(p + c, **_ids(meta))) for p, c in zip(prompts, completions, strict=True)]
+        spans[name] = [(p + c, len(p), span) for p, c in zip(prompts, completions, strict=True)
+                       if (span := R.think_span(p + c, **_ids(meta))) is not None]
         examples[name] = H.HeadExamples.cat([H.head_examples(target, drafter, ids, span, anchors, seed + i)
-                                             for i, (ids, span) in enumerate(spans) if span is not None])
+                                             for i, (ids, _, span) in enumerate(spans[name])])
     generation_s = time.time() - t0
     head = H.train_head(examples["train"], seed=seed)
     metrics = {name: H.head_metrics(head, ex) for name, ex in examples.items()}
     L.log("specexit head: " + json.dumps(metrics))
+    texts = [tok.decode([i]) for i in range(tok.get_vocab_size())]
+    replay = {label: H.replay_summary([(H.replay_exit(target, drafter, head, ids, n, span, texts, settings), n, span,
+                                        len(ids)) for ids, n, span in spans["heldout"]])
+              for label, settings in REPLAY_SETTINGS.items()}
+    L.log("specexit replay: " + json.dumps(replay))
     trained_on = (f"drafter hidden states at draft slots 1..{drafter.dspec.block_size - 1} of {anchors} blocks per "
                   f"sequence anchored in the thinking of the target's greedy completions of {n_train} training "
                   "problems (widths as `loop.sample_widths`)")
     H.save_head(head, folder, {"think_start": R.THINK_START, "think_end": R.THINK_END,
                                "think_start_id": meta["think_start_id"], "think_end_id": meta["think_end_id"],
                                "trained_on": trained_on})
-    info["specexit"] = {"greedy": figures, "head": metrics, "trained_on": trained_on, "anchors": anchors,
+    info["specexit"] = {"greedy": figures, "head": metrics, "replay": replay, "trained_on": trained_on,
+                        "anchors": anchors,
                         "generation_seconds": round(generation_s, 1), "seconds": round(time.time() - t0, 1),
                         "command": P._argv_command()}
     P._mark_done(folder, info)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dcut.specexit import Smoother, SpecExitSettings, exit_index, step_signals, tail_of
 from dcut.train import loop as L
 from dcut.train import models as M
 from dcut.train.reasoning import ThinkSpan
@@ -111,10 +112,56 @@ def head_metrics(head: nn.Linear, data: HeadExamples) -> dict:
             "remaining_median_abs_error_tokens": round(float(np.median(np.abs(remaining - true_rem))), 1)}
 
 
+@torch.no_grad()
+def replay_exit(target, drafter: M.DFlashDrafter, head: nn.Linear, ids: list[int], prompt_len: int, span: ThinkSpan,
+                texts: list[str], settings: SpecExitSettings) -> int | None:
+    """Where SpecExit would end the thinking of one greedy completion (the position of the last token kept before
+    ``</think>``), or None: vLLM's greedy DFlash loop replayed with full-width drafts (as
+    `verify.offline_acceptance`), the head's signals smoothed per step and `dcut.specexit.exit_index` applied
+    to each step's accepted tokens and bonus token."""
+    block = drafter.dspec.block_size
+    x = torch.tensor([ids])
+    _, aux = M.target_aux_hidden(target, x, drafter.dspec.target_layer_ids)
+    smoother, tail, p, signals = Smoother(settings), "", prompt_len, None
+    while p < span.end:
+        hidden = M.drafter_hidden(drafter, target, aux, x, torch.tensor([[p]]))[0, 0, 1:]
+        truth = x[0, p + 1:p + block]
+        n = int(torch.cumprod((target.lm_head(hidden).argmax(-1)[:len(truth)] == truth).int(), 0).sum())
+        thinking = span.start - 1 <= p
+        if thinking:
+            signals = smoother.update(step_signals(head(hidden)))
+        accepted = [texts[t] for t in ids[p + 1:p + n + 2]]
+        i = exit_index(accepted, thinking, signals, settings, tail)
+        if i is not None:
+            return p + 1 + i
+        tail = tail_of(tail + "".join(accepted), settings)
+        p += n + 1
+    return None
+
+
+def replay_summary(exits: list[tuple[int | None, int, ThinkSpan, int]]) -> dict:
+    """``exits``: (exit position, prompt length, span, sequence length) per completion -> generated tokens with
+    and without the exit (an exit keeps the answer after ``</think>`` as the greedy completion has it) and how
+    many exits came before the settled point (where the answer may change)."""
+    plain = sum(n - prompt for _, prompt, _, n in exits)
+    kept = sum(n - prompt if at is None else at + 1 - prompt + n - span.end for at, prompt, span, n in exits)
+    return {"completions": len(exits), "exits": sum(at is not None for at, *_ in exits),
+            "exits_before_settled": sum(at is not None and at + 1 < span.settled for at, _, span, _ in exits),
+            "generated_no_exit": plain, "generated_with_exit": kept, "saving": round(1 - kept / plain, 4)}
+
+
 def save_head(head: nn.Linear, folder: Path, config: dict) -> None:
-    """``specexit_head.safetensors`` (``weight`` [3, H], ``bias`` [3], float32) and ``specexit.json``."""
+    """``specexit_head.safetensors`` (``weight`` [3, H], ``bias`` [3], float32) and ``specexit.json`` beside the
+    drafter, plus ``model.safetensors.index.json`` naming the drafter's own file: vLLM loads every
+    ``*.safetensors`` of a folder without an index, and would take the head for drafter weights."""
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    index = {"metadata": {"total_size": (folder / "model.safetensors").stat().st_size},
+             "weight_map": dict.fromkeys(names, "model.safetensors")}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     save_file({"weight": head.weight.detach().float().contiguous(), "bias": head.bias.detach().float().contiguous()},
               str(folder / HEAD_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps({"signals": list(SIGNALS), "hidden_size": head.in_features,
