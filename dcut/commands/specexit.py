@@ -12,7 +12,7 @@ from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, engine_settings
 
 HELP = "SpecExit benchmark: accuracy, tokens, tokens/s and latency of no exit, thinking caps and SpecExit."
-DEFAULT_ARMS = ("none", "cap:64", "cap:96", "cap:128", "specexit", "specexit:confidence_min=0.9",
+DEFAULT_ARMS = ("none", "cap:96", "cap:128", "cap:160", "cap:192", "specexit", "specexit:confidence_min=0.9",
                 "specexit:confidence_min=0.6")
 COLUMNS = ("arm", "bs", "accuracy", "mean_tokens", "mean_thinking_tokens", "exits", "tokens_per_s",
            "latency_mean_s", "latency_p50_s", "latency_p90_s")
@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="none, cap:N (thinking tokens) or specexit[:key=value,...]; repeat for more "
                         f"(default: {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--bs", default="1,16", help="batch sizes")
-    parser.add_argument("--max-tokens", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=460)
     parser.add_argument("--out", default="docs/specexit")
 
 
