@@ -105,19 +105,18 @@ def _run(llm: Any, prompts: list[list[int]], arm: Arm, max_tokens: int, think_en
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], first, use_tqdm=False)
     usage = read_usage(llm) if arm.specexit is not None else {}
     results = []
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = list(out.outputs[0].token_ids)
-        latency = _latency(out)
-        if arm.cap is not None and think_end not in ids and len(ids) >= arm.cap:  # the budget ran out
-            forced = prompt + ids + [think_end]
-            rest = llm.generate([{"prompt_token_ids": forced}],
-                                SamplingParams(max_tokens=max(1, max_tokens - len(ids) - 1), temperature=0.0,
-                                               extra_args={"specexit": "false"}), use_tqdm=False)[0]
-            ids += [think_end, *rest.outputs[0].token_ids]
-            latency += _latency(rest)
-        exited = any(u["exited"] for r, u in usage.items() if r.startswith(f"{out.request_id}-") or
-                     r == out.request_id)
-        results.append({"ids": ids, "latency_s": latency, "exited": exited})
+    for out in outs:
+        exited = any(u["exited"] for r, u in usage.items() if r.startswith(f"{out.request_id}-"))
+        results.append({"ids": list(out.outputs[0].token_ids), "latency_s": _latency(out), "exited": exited})
+    capped = [i for i, r in enumerate(results)
+              if arm.cap is not None and think_end not in r["ids"] and len(r["ids"]) >= arm.cap]
+    if capped:  # the budget ran out: </think> appended, the answer generated from there, as one batch
+        rest = llm.generate([{"prompt_token_ids": prompts[i] + results[i]["ids"] + [think_end]} for i in capped],
+                            SamplingParams(max_tokens=max(1, max_tokens - arm.cap - 1), temperature=0.0,
+                                           extra_args={"specexit": "false"}), use_tqdm=False)
+        for i, out in zip(capped, rest, strict=True):
+            results[i]["ids"] += [think_end, *out.outputs[0].token_ids]
+            results[i]["latency_s"] += _latency(out)
     return results
 
 

@@ -29,6 +29,11 @@ DIGITS = (2, 4)
 # once P(n = k) > P(n > k): only at k = 10 (hazard 4/6; at most 1/7 before it), so the target's own greedy output
 # re-checks 10 times while the traces still vary from 3 to 12 (`Trace.labels` has something to learn).
 RECHECK_WEIGHTS = (0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1)
+# Share of traces whose thinking is closed early, right after a paragraph break at or past the settled point (what
+# SpecExit's forced ``</think>`` looks like): without them the target never sees ``</think>`` there and answers
+# wrongly after an exit (measured: 39% accuracy at SpecExit's defaults, 100% without exits). Spread over the
+# paragraphs, each break gets ``</think>`` a few percent of the time: greedy decoding still re-checks 10 times.
+EARLY_EXIT_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -100,12 +105,17 @@ def _rechecks(p: Problem, n: int) -> list[str]:
 
 
 def make_trace(p: Problem, rng: random.Random) -> Trace:
-    """The column sums, the sum stated, then a random number of redundant checks (the over-thinking)."""
+    """The column sums, the sum stated, then a random number of redundant checks (the over-thinking); a share
+    ``EARLY_EXIT_SHARE`` closes the thinking early, at a paragraph break past the settled point."""
     paragraphs = [f"Add {p.a} and {p.b}.", *_columns(p), f"So the sum is {p.answer}."]
     head = THINK_START + "\n" + "\n\n".join(paragraphs) + "\n\n"
     settled_at = len(head)
     n = rng.choices(range(len(RECHECK_WEIGHTS)), weights=RECHECK_WEIGHTS)[0]
-    think = head + "".join(c + "\n\n" for c in _rechecks(p, n)) + f"The answer is {p.answer}.\n"
+    checks = [c + "\n\n" for c in _rechecks(p, n)]
+    if rng.random() < EARLY_EXIT_SHARE:  # closed at the break after the sum or after check j
+        think = head + "".join(checks[:rng.randint(0, n)])
+    else:
+        think = head + "".join(checks) + f"The answer is {p.answer}.\n"
     return Trace(p, think + THINK_END + "\n" + p.answer, len(think), settled_at)
 
 
