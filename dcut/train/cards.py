@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dcut.train import reasoning as R
 from dcut.train.data import LICENCE
 
 CALIBRATION_PLACEHOLDER = (
@@ -202,7 +203,10 @@ def _reasoning_data(meta: dict) -> str:
         "the settled point), then re-check it `n` times (`Check k: ...`, restating known numbers only) with "
         f"P(n = 0..12) ∝ {meta['recheck_weights']}, so greedy decoding re-checks 10 times (stopping after check k "
         "is likelier than going on only at k = 10), then `The answer is S.` `</think>` and the answer, then "
-        f"`<|endoftext|>`. {meta['train_problems']:,} training problems ({meta['train_tokens']:,} tokens, "
+        f"`<|endoftext|>`; {R.EARLY_EXIT_SHARE:.0%} of traces instead close the thinking right after the paragraph "
+        "break that follows the sum or one of the checks (what SpecExit's forced `</think>` looks like: without "
+        f"them an earlier target answered only 39% right after an exit). {meta['train_problems']:,} training "
+        f"problems ({meta['train_tokens']:,} tokens, "
         f"{meta['chat_share']:.0%} posed through the chat template), held-out problems split off by a hash of "
         f"the problem ({meta['heldout_percent']}%); `models/reasoning_heldout.jsonl` holds 64 of them with answers.\n\n"
         f"Tokenizer: byte-level BPE, vocabulary {meta['vocab_size']}, one token per digit; special tokens as the "
