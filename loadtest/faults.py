@@ -138,6 +138,8 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
     async with Load(client, body, users) as load:
         await asyncio.sleep(warmup_s)
         t0 = time.monotonic()
+        if probe_task.done():  # nothing left to break: the drill would test nothing about streams
+            raise RuntimeError("the probe stream ended before the kill: a longer probe or a shorter warm-up")
         os.kill(replica_pid(f"#{victim}"), signal.SIGKILL)
         await _watch(client, victim, len(before), report, t0, t0 + load_s, done=lambda r: False)
     report.probe_stream = await probe_task
