@@ -51,6 +51,11 @@ class SpecExitSettings(BaseModel):
         return self
 
 
+def with_overrides(settings: SpecExitSettings, overrides: dict) -> SpecExitSettings:
+    """A request's settings: ``settings`` with some of its fields replaced, validated as a whole."""
+    return SpecExitSettings.model_validate({**settings.model_dump(), **overrides})
+
+
 @dataclass(frozen=True)
 class Signals:
     confidence: float

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -21,12 +22,13 @@ from typing import Any
 
 from dcut.settings import EngineSettings
 from dcut.snapshot import DCutSnapshot
-from dcut.specexit import SpecExitSettings
+from dcut.specexit import with_overrides
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
 from deployments.records import EngineLoad, SpecExitStats
 
 logger = logging.getLogger(__name__)
+_USAGE = re.compile(r'"usage":\s*\{')  # a stream chunk that carries the usage (vLLM's last, when asked for)
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict:
@@ -223,7 +225,7 @@ class VLLMEngine:
                 return body
             raise ValueError("specexit: not enabled for this model (a deployment with engine.specexit set)")
         if isinstance(value, dict):
-            SpecExitSettings.model_validate({**self.settings.specexit.model_dump(), **value})
+            with_overrides(self.settings.specexit, value)  # refused here, with the setting's name
             arg = json.dumps(value)
         elif isinstance(value, bool):
             arg = "true" if value else "false"
@@ -240,7 +242,7 @@ class VLLMEngine:
             return item
         chunk = isinstance(item, str)
         if chunk:
-            if '"usage":{' not in item.replace(" ", "") or not item.startswith("data: "):
+            if not item.startswith("data: ") or not _USAGE.search(item):
                 return item
             data = json.loads(item[len("data: "):])
         else:

@@ -21,6 +21,8 @@ from typing import Any
 
 from dcut.settings import EngineSettings
 from dcut.specexit import SpecExitSettings
+from dcut.train.reasoning import answer_of
+from dcut.vllm.api import read_specexit_usage
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,6 @@ def evaluate(settings: EngineSettings, problems: list[dict[str, str]], arms: lis
     from vllm import LLM
 
     from dcut.bench.generate import _build_engine
-    from dcut.train.reasoning import answer_of
-    from dcut.vllm.api import read_specexit_usage
     from dcut.vllm.engine import engine_kwargs
 
     engine = settings.model_copy(update={"max_num_seqs": max(batch_sizes),
@@ -83,19 +83,18 @@ def evaluate(settings: EngineSettings, problems: list[dict[str, str]], arms: lis
     rows = []
     with tqdm(total=len(batch_sizes) * len(arms) * len(problems), desc="specexit", unit="req") as bar:
         for bs in batch_sizes:
-            _run(llm, prompt_ids[:bs], Arm("none"), max_tokens, think_end, read_specexit_usage)  # warm-up
+            _run(llm, prompt_ids[:bs], Arm("none"), max_tokens, think_end)  # warm-up
             for arm in arms:
                 started, done = time.perf_counter(), []
                 for i in range(0, len(problems), bs):
-                    done += _run(llm, prompt_ids[i:i + bs], arm, max_tokens, think_end, read_specexit_usage)
+                    done += _run(llm, prompt_ids[i:i + bs], arm, max_tokens, think_end)
                     bar.update(len(prompt_ids[i:i + bs]))
                 wall = time.perf_counter() - started
-                rows.append(_row(arm, bs, problems, done, wall, tok, answer_of))
+                rows.append(_row(arm, bs, problems, done, wall, tok, think_end))
     return rows
 
 
-def _run(llm: Any, prompts: list[list[int]], arm: Arm, max_tokens: int, think_end: int,
-         read_usage: Any) -> list[dict[str, Any]]:
+def _run(llm: Any, prompts: list[list[int]], arm: Arm, max_tokens: int, think_end: int) -> list[dict[str, Any]]:
     """Generate one batch under ``arm``: per request, its token ids, latency and exit."""
     from vllm import SamplingParams
 
@@ -103,7 +102,7 @@ def _run(llm: Any, prompts: list[list[int]], arm: Arm, max_tokens: int, think_en
     first = SamplingParams(max_tokens=arm.cap or max_tokens, temperature=0.0,
                            extra_args={"specexit": flag})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], first, use_tqdm=False)
-    usage = read_usage(llm) if arm.specexit is not None else {}
+    usage = read_specexit_usage(llm) if arm.specexit is not None else {}
     results = []
     for out in outs:
         exited = any(u["exited"] for r, u in usage.items() if r.startswith(f"{out.request_id}-"))
@@ -127,8 +126,7 @@ def _latency(out: Any) -> float:
 
 
 def _row(arm: Arm, bs: int, problems: list[dict[str, str]], done: list[dict[str, Any]], wall: float, tok: Any,
-         answer_of: Any) -> dict[str, Any]:
-    end = tok.convert_tokens_to_ids("</think>")
+         end: int) -> dict[str, Any]:
     texts = [tok.decode(d["ids"]) for d in done]
     correct = [answer_of(t) == p["answer"] for t, p in zip(texts, problems, strict=True)]
     tokens = [len(d["ids"]) for d in done]

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from dcut.settings import EngineSettings
+
+Section = TypeVar("Section", bound=BaseModel)
 
 WORKER_EXTENSION = "dcut.vllm.worker.DCutWorkerExtension"
 
@@ -42,3 +46,13 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         if extra := {name: s.model_dump(mode="json") for name, s in extra.items() if s is not None}:
             kw["additional_config"] = extra
     return kw
+
+
+def additional_settings(vllm_config: Any, name: str, model: type[Section]) -> Section | None:
+    """The validated ``additional_config[name]`` of an engine (as ``engine_kwargs`` writes it), or None when the
+    engine does not ask for it: a bad setting raises, with its name."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or extra.get(name) is None:
+        return None
+    raw = extra[name]
+    return raw if isinstance(raw, model) else model.model_validate(raw)

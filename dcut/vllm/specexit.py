@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dcut.specexit import Smoother, SpecExitSettings, exit_index, step_signals, tail_of
+from dcut.specexit import Smoother, SpecExitSettings, exit_index, step_signals, tail_of, with_overrides
+from dcut.vllm.engine import additional_settings
 
 logger = logging.getLogger("vllm.dcut")
 
@@ -42,11 +43,7 @@ KEPT_RECORDS = 4096  # finished requests whose usage can still be read
 
 def engine_settings(vllm_config: Any) -> SpecExitSettings | None:
     """The validated engine-wide SpecExit settings, or None when SpecExit is not asked for."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if not isinstance(extra, dict) or extra.get("specexit") is None:
-        return None
-    raw = extra["specexit"]
-    return raw if isinstance(raw, SpecExitSettings) else SpecExitSettings.model_validate(raw)
+    return additional_settings(vllm_config, "specexit", SpecExitSettings)
 
 
 def request_settings(engine: SpecExitSettings, extra_args: dict | None) -> SpecExitSettings | None:
@@ -61,7 +58,7 @@ def request_settings(engine: SpecExitSettings, extra_args: dict | None) -> SpecE
         return None
     if raw is True or raw == 1:
         return engine
-    return SpecExitSettings.model_validate({**engine.model_dump(), **raw})
+    return with_overrides(engine, raw)
 
 
 @dataclass
@@ -70,19 +67,22 @@ class RequestUsage:
 
     reasoning_tokens: int = 0  # generated while thinking, ``</think>`` included
     exited: bool = False  # SpecExit ended the thinking
-    exit_at: int | None = None  # output tokens before the forced ``</think>``
+    exit_at: int | None = None  # thinking tokens before the forced ``</think>``
     predicted_saved: float | None = None  # the head's remaining-tokens estimate at the exit
     signals: dict[str, float] | None = None  # smoothed, at the exit
 
 
 @dataclass
 class _Request:
-    settings: SpecExitSettings | None  # None: off for this request
-    smoother: Smoother | None
+    smoother: Smoother | None  # None: off for this request
     thinking: bool
     tail: str = ""
     pending_exit: bool = False  # a paragraph ended on the last slot of a step: ``</think>`` comes first next
     usage: RequestUsage = field(default_factory=RequestUsage)
+
+    @property
+    def settings(self) -> SpecExitSettings | None:
+        return self.smoother.settings if self.smoother else None
 
 
 @dataclass
@@ -144,7 +144,7 @@ class RunnerSpecExit:
             settings = request_settings(self.settings, getattr(params, "extra_args", None))
             ids = list(getattr(cached, "prompt_token_ids", None) or []) + list(getattr(cached, "output_token_ids",
                                                                                       []) or [])
-            state = self.requests[req_id] = _Request(settings, Smoother(settings) if settings else None,
+            state = self.requests[req_id] = _Request(Smoother(settings) if settings else None,
                                                      thinking=_thinking_after(ids, self.think_start_id,
                                                                               self.think_end_id))
             self.totals.requests += settings is not None

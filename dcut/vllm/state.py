@@ -36,6 +36,7 @@ from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource, DCutSnapshot, Overhead, Totals, WindowSummary
 from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
 from dcut.vllm import metrics
+from dcut.vllm.engine import additional_settings
 from dcut.width import (
     ProbeBudget,
     RealizedRates,
@@ -95,11 +96,7 @@ class _LastDrafts:
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
     """The validated D-Cut settings of an engine, or None when D-Cut is not asked for."""
-    extra = getattr(vllm_config, "additional_config", None)
-    if not isinstance(extra, dict) or extra.get("dcut") is None:
-        return None
-    raw = extra["dcut"]
-    return raw if isinstance(raw, DCutSettings) else DCutSettings.model_validate(raw)
+    return additional_settings(vllm_config, "dcut", DCutSettings)
 
 
 class RunnerDCut:
