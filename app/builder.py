@@ -25,12 +25,10 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
 
     routing = rs.routing.serve_config()
     controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
-                                  ray_actor_options={"num_cpus": cfg.controller.num_cpus},
+                                  ray_actor_options=_actor(cfg.controller.num_cpus, cfg.controller.resources),
                                   max_ongoing_requests=1000).bind(cfg.controller, rs.autoscaling)
     engine = serve.deployment(
-        EngineReplica, name="EngineReplica",
-        ray_actor_options={"num_cpus": rs.num_cpus, "num_gpus": rs.num_gpus,
-                           "runtime_env": {"env_vars": dict(rs.env)}},
+        EngineReplica, name="EngineReplica", **rs.placement(),
         max_ongoing_requests=rs.max_ongoing_requests,
         max_queued_requests=rs.max_queued_requests,
         autoscaling_config=rs.autoscaling.serve_config(),
@@ -41,7 +39,11 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     ).bind(cfg.engine, rs, controller)
     # The ingress drains as long as the replicas it forwards to, so `serve shutdown` cuts no request short.
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
-                               ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+                               ray_actor_options=_actor(cfg.ingress.num_cpus, cfg.ingress.resources),
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s)
     return ingress.bind(cfg.ingress, engine, controller)
+
+
+def _actor(num_cpus: float, resources: dict[str, float]) -> dict:
+    return {"num_cpus": num_cpus, **({"resources": dict(resources)} if resources else {})}

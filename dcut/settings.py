@@ -106,6 +106,9 @@ class EngineSettings(BaseModel):
     spec_schedule: list[tuple[int, int, int]] | None = Field(
         None, description="vLLM dynamic speculation: (bs from, bs to, K) ranges; K per batch size.")
     tensor_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None, description="How vLLM runs its TP workers: None lets vLLM choose (mp on one node); 'ray' places them "
+        "in the Serve replica's placement group (deployments.settings.EngineReplicaSettings.placement_group_bundles).")
     dtype: str = Field("float32", description="float32 on AVX2 CPUs (bf16 is 3-5x slower there).")
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = Field(1024, ge=16)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 
 from dcut import telemetry
@@ -58,6 +59,7 @@ class EngineReplica:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RuntimeError:  # outside a Serve replica
             self.replica_id = f"local-{os.getpid()}"
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         self.fingerprint = fingerprint(engine).key()
         self.engine = engine_class(self.rs.engine_cls)(await self._with_cost_table(engine),
                                                        max_prompt_tokens=self.rs.max_prompt_tokens)
@@ -135,7 +137,7 @@ class EngineReplica:
             logger.warning("D-Cut state read took over %.1f s; reporting the last one", self.rs.telemetry_interval_s)
         capacity, capacity_from = self.capacity()
         return ReplicaReport(
-            replica_id=self.replica_id, served_model_name=self.served_model_name,
+            replica_id=self.replica_id, served_model_name=self.served_model_name, node_id=self.node_id,
             fingerprint=self.fingerprint, start_seconds=self.start_seconds,
             sent_at=time.time(), interval_s=self.rs.telemetry_interval_s,
             load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),

@@ -40,6 +40,7 @@ class ReplicaReport(BaseModel):
 
     replica_id: str
     served_model_name: str
+    node_id: str | None = Field(None, description="The Ray node the replica runs on (None outside Ray).")
     fingerprint: str = Field(description="dcut.cost_table.Fingerprint.key() of the engine.")
     start_seconds: float
     sent_at: float

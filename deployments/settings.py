@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dcut.settings import engine_env
 
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,6 +87,16 @@ class EngineReplicaSettings(_Strict):
 
     num_cpus: float = Field(0.5, gt=0.0, description="Ray CPUs per replica (fractional on small boxes).")
     num_gpus: float = Field(0.0, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources per replica: "
+                                        "with nodes started as `ray start --resources '{\"dcut_engine\": 1}'`, "
+                                        "{dcut_engine: 1} puts one replica on each node that declares it.")
+    max_replicas_per_node: int | None = Field(None, ge=1, description="Serve's spread limit (None: no limit).")
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="Tensor parallelism on Ray (engine.distributed_executor_backend: ray): the replica's "
+        "placement group, e.g. [{CPU: 1, GPU: 1}, {GPU: 1}] for TP=2 (the replica runs in the first bundle, "
+        "vLLM's workers take one GPU bundle each). None: the replica holds num_cpus/num_gpus itself.")
+    placement_group_strategy: PlacementStrategy = Field(
+        "STRICT_PACK", description="STRICT_PACK keeps a TP group on one node; PACK lets it span nodes.")
     max_ongoing_requests: int = Field(32, ge=1, description="Requests one replica runs at once "
                                       "(match the engine's max_num_seqs).")
     max_queued_requests: int = Field(
@@ -115,11 +127,27 @@ class EngineReplicaSettings(_Strict):
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
+    def placement(self) -> dict:
+        """Serve deployment options that place the replicas on the cluster's nodes."""
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "runtime_env": {"env_vars": dict(self.env)}}
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        options: dict = {"ray_actor_options": actor}
+        if self.max_replicas_per_node is not None:
+            options["max_replicas_per_node"] = self.max_replicas_per_node
+        if self.placement_group_bundles:
+            options["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
+            options["placement_group_strategy"] = self.placement_group_strategy
+        return options
+
 
 class ControllerSettings(_Strict):
     """The controller's placement and how long it trusts a replica's report or profiling lease."""
 
     num_cpus: float = Field(0.05, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources, e.g. "
+                                        "{\"node:__internal_head__\": 0.001} keeps it on the head node, which a "
+                                        "worker node's death cannot take down.")
     stale_after_reports: float = Field(3.0, gt=0.0, description="Forget a replica that missed this many of its "
                                        "own report intervals (its reports say how often it reports).")
     stale_after_s: float | None = Field(None, gt=0.0, description="Forget a replica silent for this long "
@@ -147,6 +175,8 @@ class IngressSettings(_Strict):
     """The HTTP front: placement, concurrency, back-pressure, retries, request limits and the API key."""
 
     num_cpus: float = Field(0.1, ge=0.0)
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources (as the "
+                                        "controller's).")
     max_ongoing_requests: int = Field(512, ge=1, description="HTTP requests one ingress replica holds at once; "
                                       "beyond it Serve's proxy queues them.")
     retry_after_s: int = Field(1, ge=0, description="Retry-After header on 503 when every replica is full.")

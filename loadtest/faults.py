@@ -42,22 +42,36 @@ def stream_ending(text: str) -> str:
 
 class Load:
     """``users`` clients posting ``body`` in a loop until stopped; ``outcomes`` counts what came back (the status
-    code, ``cut``/``error`` for a stream that did not end cleanly, or the client-side exception's name)."""
+    code, ``cut``/``error`` for a stream that did not end cleanly, or the client-side exception's name).
 
-    def __init__(self, client: httpx.AsyncClient, body: dict, users: int, path: str = "/v1/completions"):
+    ``client_retries``: how often a client sends a request again when its connection broke before any response
+    (a proxy that died with its node), as the OpenAI SDK does (``max_retries=2``); ``reconnects`` counts them."""
+
+    def __init__(self, client: httpx.AsyncClient, body: dict, users: int, path: str = "/v1/completions",
+                 client_retries: int = 0):
         self.client, self.body, self.users, self.path = client, body, users, path
+        self.client_retries = client_retries
         self.outcomes: collections.Counter[str] = collections.Counter()
+        self.reconnects: collections.Counter[str] = collections.Counter()
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     async def _user(self) -> None:
         while not self._stop.is_set():
-            try:
-                r = await self.client.post(self.path, json=self.body)
-                ending = stream_ending(r.text) if self.body.get("stream") and r.status_code == 200 else "done"
-                self.outcomes[str(r.status_code) if ending == "done" else ending] += 1
-            except httpx.HTTPError as e:
-                self.outcomes[type(e).__name__] += 1
+            for attempt in range(self.client_retries + 1):
+                try:
+                    r = await self.client.post(self.path, json=self.body)
+                except httpx.TransportError as e:  # no response: the connection broke or never opened
+                    if attempt < self.client_retries:
+                        self.reconnects[type(e).__name__] += 1
+                        continue
+                    self.outcomes[type(e).__name__] += 1
+                except httpx.HTTPError as e:
+                    self.outcomes[type(e).__name__] += 1
+                else:
+                    ending = stream_ending(r.text) if self.body.get("stream") and r.status_code == 200 else "done"
+                    self.outcomes[str(r.status_code) if ending == "done" else ending] += 1
+                break
 
     @property
     def failed(self) -> dict[str, int]:

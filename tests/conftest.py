@@ -23,25 +23,35 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     return build_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 
 
+# Nodes of the session's Ray cluster that may run a multi-node app's engine replicas (tests/integration/
+# test_multinode.py adds worker nodes declaring it too); the other apps ask for no custom resource.
+ENGINE_NODE_RESOURCE = "dcut_engine"
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray instance per pytest session (2 CPUs, token auth off, fast autoscaling metrics)."""
+    """One local Ray cluster per pytest session: a head node of 2 CPUs (token auth off, fast autoscaling metrics)
+    that tests may join worker nodes to (``ray.cluster_utils.Cluster``, each node its own raylet)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
     import ray
     from ray import serve
+    from ray.cluster_utils import Cluster
 
+    head = {"num_cpus": 2, "include_dashboard": False, "resources": {ENGINE_NODE_RESOURCE: 1}}
     for attempt in (1, 2):  # Ray waits a fixed 30 s for its raylet, too short on a saturated box: retry once
         try:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            cluster = Cluster(initialize_head=True, head_node_args=head)
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this
             if attempt == 2 or "timed out during startup" not in str(e):
                 raise
-            ray.shutdown()
-    serve.start(http_options={"host": "127.0.0.1", "port": int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))})
-    yield ray
+    ray.init(address=cluster.address, log_to_driver=False)
+    serve.start(proxy_location="EveryNode",
+                http_options={"host": "127.0.0.1", "port": int(os.environ.get("DCUT_TEST_HTTP_PORT", 8765))})
+    yield cluster
     serve.shutdown()
     ray.shutdown()
+    cluster.shutdown()

@@ -29,6 +29,8 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         seed=settings.seed,
         worker_extension_cls=WORKER_EXTENSION,
     )
+    if settings.distributed_executor_backend:
+        kw["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.served_model_name:
         kw["served_model_name"] = settings.served_model_name
     if settings.method != "none":

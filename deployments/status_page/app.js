@@ -88,11 +88,11 @@ const short = (id) => id.slice(0, 8);
 const TIME_AXIS = { xLabel: "minutes ago", xFormat: (x) => fmt(-x) };
 
 function replicaTable(replicas, history, colorOf) {
-  const cols = ["replica", "model", "cost table", "batch", "queue", "keep ratio", "width", "accepted len",
+  const cols = ["replica", "node", "model", "cost table", "batch", "queue", "keep ratio", "width", "accepted len",
     "tokens/s", "capacity tok/s", "demand tok/s", "steps", "age s"];
   const rows = replicas.map((r) => {
     const last = (history.replicas[r.replica_id] || []).at(-1) || {};
-    const cells = [r.model, r.cost_source ?? "off", r.batch_size, last.queued ?? "–",
+    const cells = [r.node_id ? short(r.node_id) : "–", r.model, r.cost_source ?? "off", r.batch_size, last.queued ?? "–",
       fmt(r.keep_ratio), fmt(last.drafted_width), fmt(r.acceptance.mean_accepted_length), fmt(r.load.tokens_per_s, 1),
       fmt(r.capacity_tokens_per_s, 1), fmt(r.demand_tokens_per_s, 1), r.steps ?? "–", fmt(r.age_s, 1)];
     return html("tr", {}, html("td", { class: "text replica-id", title: r.replica_id },
