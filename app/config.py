@@ -53,3 +53,21 @@ class AppConfig(BaseModel):
                              "engine_replica.env.VLLM_ENABLE_V1_MULTIPROCESSING to \"1\" (and on CPU "
                              "VLLM_CPU_OMP_THREADS_BIND, e.g. \"0|1\"); see app.two-models.config.yaml")
         return self
+
+    @model_validator(mode="after")
+    def _ray_executor_has_its_bundles(self) -> AppConfig:
+        """vLLM's Ray executor puts one TP worker in each bundle of the replica's placement group, and Serve starts
+        the replica itself in the first bundle: both must fit, or the replica waits for ever to be scheduled."""
+        rs, tp = self.engine_replica, self.engine.tensor_parallel_size
+        bundles = rs.placement_group_bundles
+        if self.engine.distributed_executor_backend == "ray" and (bundles is None or len(bundles) < tp):
+            raise ValueError(f"engine.distributed_executor_backend 'ray' at tensor_parallel_size {tp} needs "
+                             f"engine_replica.placement_group_bundles with at least {tp} bundles (one per rank)")
+        if bundles:
+            first = bundles[0]
+            needs = {"CPU": rs.num_cpus, "GPU": rs.num_gpus, **rs.resources}
+            short = {k: v for k, v in needs.items() if v > first.get(k, 0.0)}
+            if short:
+                raise ValueError(f"engine_replica.placement_group_bundles[0] ({first}) must hold the replica "
+                                 f"itself: {short} (num_cpus / num_gpus / resources)")
+        return self
