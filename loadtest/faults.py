@@ -6,7 +6,8 @@ requests, and measure what the clients saw. HTTP to 127.0.0.1 only; bounded in u
 
 The drill opens one long stream (the probe), finds the replica serving it from ``/dcut/status``, starts ``users``
 clients posting non-streaming completions in a loop, SIGKILLs the probe's replica (its process, found in the
-local Ray cluster's actor table), keeps the clients going for ``load_s`` seconds, then waits until
+local Ray cluster's actor table), keeps the clients going for ``load_s`` seconds (then counts the replica's child
+processes, its vLLM engine core, still alive: they must die with it), then waits until
 ``/dcut/status`` lists as many replicas as before again (or ``timeout``). It reports every request's outcome,
 how the probe stream ended, how long the dead replica stayed in the status, and how long until a replacement
 reported.
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import yaml
 
 LOCAL = ("127.0.0.1", "localhost")
@@ -106,6 +108,8 @@ class KillReport:
     probe_stream: str = ""
     dropped_from_status_s: float | None = None
     replaced_s: float | None = None
+    children: int = 0  # the killed replica's child processes (its vLLM engine core)
+    orphans: int | None = None  # of those, alive after the load
     duration_s: float = 0.0
 
     @property
@@ -154,8 +158,12 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
         t0 = time.monotonic()
         if probe_task.done():  # nothing left to break: the drill would test nothing about streams
             raise RuntimeError("the probe stream ended before the kill: a longer probe or a shorter warm-up")
-        os.kill(replica_pid(f"#{victim}"), signal.SIGKILL)
+        pid = replica_pid(f"#{victim}")
+        children = psutil.Process(pid).children(recursive=True)
+        report.children = len(children)
+        os.kill(pid, signal.SIGKILL)
         await _watch(client, victim, len(before), report, t0, t0 + load_s, done=lambda r: False)
+    report.orphans = sum(_alive(c) for c in children)
     report.probe_stream = await probe_task
     report.outcomes = dict(load.outcomes)
     seen = "replaced_s" if until_replaced else "dropped_from_status_s"
@@ -163,6 +171,13 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
                  done=lambda r: getattr(r, seen) is not None)
     report.duration_s = round(time.monotonic() - t0, 2)
     return report
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 async def _watch(client: httpx.AsyncClient, victim: str, replicas: int, report: KillReport, t0: float,

@@ -565,7 +565,8 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
 def test_replica_sigkill_under_load(client):
     """SIGKILL of the replica serving a stream, under concurrent non-streaming load: no request fails (those
     that had no byte yet are retried on the other replica), the stream ends with an error event and [DONE],
-    the dead replica leaves /dcut/status within 3 report intervals. Two clients: what the surviving replica holds
+    the dead replica leaves /dcut/status within 3 report intervals, its vLLM engine core process dies with it.
+    Two clients: what the surviving replica holds
     (max_ongoing_requests=3), and what the ingress may queue (max_queued_requests=2: both clients can wait for a
     replica at once while the router learns of the death), so none is refused by back-pressure."""
     from loadtest.faults import kill_drill
@@ -582,6 +583,7 @@ def test_replica_sigkill_under_load(client):
     print(f"replica SIGKILL: {report}, retries {_metric('ray_dcut_ingress_retries_total')}")
     assert report.failed == 0, report.outcomes
     assert report.probe_stream == "error"
+    assert report.children >= 1 and report.orphans == 0, "the engine core outlived its replica (dcut.vllm.lifeline)"
     assert report.dropped_from_status_s is not None and report.dropped_from_status_s <= 3 * 1.0 + 1.5
     deadline = time.monotonic() + 40  # Ray exports metrics every few seconds
     while _metric("ray_dcut_ingress_broken_streams_total") <= broken:
