@@ -210,10 +210,19 @@ def throughput_by_batch_size(batch_sizes: Iterable[int], acceptance_curve: Seque
     return estimates
 
 
-def capacity(estimates: Iterable[ThroughputEstimate], min_request_rate: float) -> float:
-    """Best tokens/s at a batch size whose per-request rate still meets the objective (0 if none)."""
-    return max((e.tokens_per_s for e in estimates if e.request_tokens_per_s >= min_request_rate),
-               default=0.0)
+def capacity(estimates: Iterable[ThroughputEstimate], min_request_rate: float,
+             max_batch_size: int | None = None) -> float:
+    """Objective tokens/s a replica can serve: ``min_request_rate`` x the most requests it runs at once while each
+    still gets that rate (the largest estimated batch size, up to ``max_batch_size``, whose per-request rate meets
+    it; one request when none does; 0 without estimates). In ``demand``'s units (requests x the objective rate),
+    so demand / capacity is the share of those request slots in use. The replica's total tokens/s would not do: at
+    batch 16 it delivers ~6x the objective to each request, and a policy comparing requests x objective against
+    that planned ~6x more requests per replica than it can run at once (docs/autoscaling/)."""
+    usable = [e for e in estimates if max_batch_size is None or e.batch_size <= max_batch_size]
+    if not usable:
+        return 0.0
+    meeting = [e.batch_size for e in usable if e.request_tokens_per_s >= min_request_rate]
+    return min_request_rate * (max(meeting) if meeting else 1)
 
 
 def demand(running: int, waiting: int, per_request_rate: float) -> float:

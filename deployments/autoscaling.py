@@ -7,7 +7,9 @@ Requests still queued at the handles add ``queued x request rate`` to the demand
     desired = ceil(demand / (capacity per replica x target_utilization))
 
 scaling up as soon as utilisation passes the target, down only once it falls below
-``target x (1 - hysteresis)``. Serve's wrapper applies min/max replicas and the up/down delays.
+``target x (1 - hysteresis)``, and then to the count nearest the middle of that dead band (never fewer than
+``desired``), so that demand has room to move both ways before the next change. Serve's wrapper applies
+min/max replicas and the up/down delays.
 
 Each evaluation is a `ScalingDecision` with its rule; the policy publishes the latest one and its recent
 changes of mind (`publish`) for the D-Cut controller's status page (`read_log`).
@@ -40,7 +42,7 @@ class DCutPolicy:
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         current = max(ctx.target_num_replicas, 0)
         metrics = ctx.aggregated_metrics or {}
-        capacities = [c for c in (metrics.get(CAPACITY_KEY) or {}).values() if c and c > 0]
+        capacities = [c for c in latest_capacities(ctx.raw_metrics, metrics) if c and c > 0]
         demands = metrics.get(DEMAND_KEY) or {}
         per_replica = sum(capacities) / len(capacities) if capacities else 0.0
         reported = float(sum(demands.values()))
@@ -61,6 +63,18 @@ class DCutPolicy:
         return desired, decision.model_dump()
 
 
+def latest_capacities(raw_metrics: dict | None, aggregated: dict) -> list[float]:
+    """Each replica's last reported capacity (``raw_metrics``: the samples of its last push), else its look-back
+    mean. A replica reports a default capacity until its first estimates; averaged over the look-back, that default
+    understates every freshly started replica for a whole window, so after a large scale-up the policy asked for up
+    to a third more replicas than needed (docs/autoscaling/). Capacity moves slowly (a cost table and a window of
+    steps): the latest figure is the best one; demand keeps the look-back mean, which smooths its noise."""
+    series = (raw_metrics or {}).get(CAPACITY_KEY)
+    if series:
+        return [s[-1].value for s in series.values() if s]
+    return list((aggregated.get(CAPACITY_KEY) or {}).values())
+
+
 def replicas_needed(demand: float, capacity_per_replica: float, target_utilization: float) -> int:
     """Replicas that serve ``demand`` tokens/s at the target utilisation (the float slack keeps an exact
     multiple, e.g. 0.1 x 100 / 10, from rounding up to one replica too many)."""
@@ -79,8 +93,12 @@ def decide(current: int, demand: float, capacity_per_replica: float, target_util
     utilization = demand / (capacity_per_replica * current)
     if utilization > target_utilization:
         return max(needed, current), "up"
-    if utilization < target_utilization * (1 - hysteresis):
-        fewer = min(max(needed, 1), current)
+    low = target_utilization * (1 - hysteresis)
+    if utilization < low:
+        # Land on the count nearest the middle of the dead band, never below what the target needs: landing on its
+        # upper edge (`needed`) let the next upward wiggle of the demand undo the downscale (docs/autoscaling/).
+        middle = (demand / (capacity_per_replica * target_utilization) + demand / (capacity_per_replica * low)) / 2
+        fewer = min(max(math.floor(middle + 0.5), needed, 1), current)
         return fewer, ("down" if fewer < current else "floor")
     return current, "hold"
 

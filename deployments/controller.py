@@ -98,6 +98,7 @@ class DCutController:
                 "replica_id": r.replica_id,
                 "model": r.served_model_name,
                 "node_id": r.node_id,
+                "pid": r.pid,
                 "fingerprint": r.fingerprint,
                 "cost_source": snap.cost_source if snap else None,
                 "cost_path": snap.cost_path if snap else None,

@@ -111,14 +111,12 @@ class EngineReplica:
     # ---- telemetry ----------------------------------------------------------------------------
 
     def capacity(self) -> tuple[float, str]:
-        """Tokens/s this replica can give at the latency objective, and where the figure comes from."""
+        """Objective tokens/s this replica can serve (``dcut.telemetry.capacity``), and where the figure comes from."""
         estimates = self._snapshot.estimates if self._snapshot else []
         if not estimates:
             return self.rs.default_capacity_tokens_per_s, "default"
-        best = telemetry.capacity(estimates, self.rs.autoscaling.request_tokens_per_s)
-        if best <= 0:  # no batch size meets the objective: one request at a time is the best there is
-            best = min(estimates, key=lambda e: e.batch_size).tokens_per_s
-        return best, "estimates"
+        return telemetry.capacity(estimates, self.rs.autoscaling.request_tokens_per_s,
+                                  self.engine_settings.max_num_seqs), "estimates"
 
     def demand(self) -> float:
         """Tokens/s asked of this replica now: its running and waiting requests at the objective rate."""
@@ -138,7 +136,7 @@ class EngineReplica:
         capacity, capacity_from = self.capacity()
         return ReplicaReport(
             replica_id=self.replica_id, served_model_name=self.served_model_name, node_id=self.node_id,
-            fingerprint=self.fingerprint, start_seconds=self.start_seconds,
+            pid=os.getpid(), fingerprint=self.fingerprint, start_seconds=self.start_seconds,
             sent_at=time.time(), interval_s=self.rs.telemetry_interval_s,
             load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
             capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),

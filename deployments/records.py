@@ -41,13 +41,15 @@ class ReplicaReport(BaseModel):
     replica_id: str
     served_model_name: str
     node_id: str | None = Field(None, description="The Ray node the replica runs on (None outside Ray).")
+    pid: int | None = Field(None, description="The replica's process id on its node.")
     fingerprint: str = Field(description="dcut.cost_table.Fingerprint.key() of the engine.")
     start_seconds: float
     sent_at: float
     interval_s: float = Field(gt=0.0, description="How often this replica reports: the controller forgets it "
                               "after ControllerSettings.stale_after_reports of these without a report.")
     load: EngineLoad
-    capacity_tokens_per_s: float
+    capacity_tokens_per_s: float = Field(description="Objective tokens/s it can serve: the latency objective x the "
+                                         "most requests it runs at once at that rate (dcut.telemetry.capacity).")
     capacity_from: Literal["estimates", "default"]
     demand_tokens_per_s: float
     dcut: DCutSnapshot | None = Field(None, description="The engine's D-Cut snapshot; None with D-Cut off.")

@@ -4,6 +4,7 @@ only its own section."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -114,6 +115,9 @@ class EngineReplicaSettings(_Strict):
                                                  "estimate (a cost table and some live steps).")
     env: dict[str, str] = Field(default_factory=lambda: engine_env(kv_cache_gib=1),
                                 description="Environment of the replica process (vLLM settings).")
+    allocator: Literal["system", "jemalloc"] = Field(
+        "system", description="The replica's and its engine core's malloc: 'jemalloc' preloads the one Ray ships "
+        "(ray/core/libjemalloc.so), which returns freed memory to the system where glibc's arenas keep it.")
     max_prompt_tokens: int | None = Field(None, ge=1, description="Refuse (400) a prompt of more tokens than "
                                           "this; None: only the engine's max_model_len bounds it. Checked here, "
                                           "where the tokenizer is, not at the ingress.")
@@ -129,7 +133,10 @@ class EngineReplicaSettings(_Strict):
 
     def placement(self) -> dict:
         """Serve deployment options that place the replicas on the cluster's nodes."""
-        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "runtime_env": {"env_vars": dict(self.env)}}
+        env = dict(self.env)
+        if self.allocator == "jemalloc":
+            env["LD_PRELOAD"] = ":".join(p for p in (str(jemalloc_path()), env.get("LD_PRELOAD")) if p)
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "runtime_env": {"env_vars": env}}
         if self.resources:
             actor["resources"] = dict(self.resources)
         options: dict = {"ray_actor_options": actor}
@@ -139,6 +146,16 @@ class EngineReplicaSettings(_Strict):
             options["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
             options["placement_group_strategy"] = self.placement_group_strategy
         return options
+
+
+def jemalloc_path() -> Path:
+    """Ray's bundled jemalloc (the same path on every node that installed the same environment)."""
+    import ray
+
+    path = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    if not path.is_file():
+        raise FileNotFoundError(f"engine_replica.allocator 'jemalloc': {path} not found in the installed Ray")
+    return path
 
 
 class ControllerSettings(_Strict):

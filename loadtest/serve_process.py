@@ -50,7 +50,7 @@ class ServeProcess:
         env.pop("RAY_ADDRESS", None)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([_bin("serve"), "run", "--address", "local", str(self.config)],
+            self.proc = subprocess.Popen([_bin("serve"), "run", "--address", "local", str(self.config.resolve())],
                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=self.cwd, start_new_session=True)
 

@@ -97,16 +97,19 @@ class RssGrowth:
 
 
 def rss_growth(samples: dict[int, list[tuple[float, int]]], names: dict[int, str], warmup_end: float,
-               warmup_s: float = 0.0) -> list[RssGrowth]:
-    """Per process: baseline = its first sample at or after its own warm-up — ``warmup_end`` for a process there
-    from the start, ``warmup_s`` after it was first seen for one that appeared later (a replica the autoscaler
-    started during the soak: its first samples are its start-up) —, end = its last sample. A process gone (or
-    first seen too late) to have a sample after its warm-up has none."""
+               warmup_s: float = 0.0, ready: dict[int, float] | None = None) -> list[RssGrowth]:
+    """Per process: baseline = its first sample at or after its own warm-up, end = its last sample. The warm-up
+    ends at ``warmup_end`` for a process serving from the start, and ``warmup_s`` after it started serving for one
+    that came later (a replica the autoscaler started during the soak: its engine start — loading, profiling,
+    compiling — is not steady state): ``ready[pid]`` is when the application first listed it, else (no status
+    read) when its process was first seen. A process gone (or ready too late) to have a sample after its warm-up
+    has none."""
     out = []
+    ready = ready or {}
     for pid, series in sorted(samples.items()):
         series = sorted(series)
-        ready = max(warmup_end, series[0][0] + warmup_s)
-        after = [rss for t, rss in series if t >= ready]
+        start = max(warmup_end, ready.get(pid, series[0][0]) + warmup_s)
+        after = [rss for t, rss in series if t >= start]
         out.append(RssGrowth(pid=pid, name=names.get(pid, ""), baseline=after[0] if after else None,
                              end=after[-1] if after else None, peak=max(rss for _, rss in series),
                              samples=len(series)))
@@ -241,11 +244,14 @@ def pin_tree(pid: int, cpus: set[int]) -> int:
 class RssSampler(threading.Thread):
     """Samples the replica processes' RSS every ``interval_s`` seconds until stopped."""
 
-    def __init__(self, root_pid: int | None, app: str | None, interval_s: float = 5.0):
+    def __init__(self, root_pid: int | None, app: str | None, interval_s: float = 5.0, status_url: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(daemon=True)
         self.root_pid, self.app, self.interval_s = root_pid, app, interval_s
+        self.status_url, self.headers = status_url, headers or {}
         self.samples: dict[int, list[tuple[float, int]]] = {}
         self.names: dict[int, str] = {}
+        self.ready: dict[int, float] = {}  # pid -> when /dcut/status first listed its replica (serving)
         self._stop_event = threading.Event()
 
     def sample(self) -> None:
@@ -256,6 +262,14 @@ class RssSampler(threading.Thread):
                 continue
             self.names[pid] = name
             self.samples.setdefault(pid, []).append((time.time(), rss))
+        if self.status_url:
+            try:
+                replicas = httpx.get(self.status_url, headers=self.headers, timeout=5).json()["replicas"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                return  # a busy ingress: the next sample asks again
+            for r in replicas:
+                if r.get("pid"):
+                    self.ready.setdefault(r["pid"], time.time())
 
     def latest_mib(self) -> dict[int, float]:
         return {pid: round(s[-1][1] / 2**20) for pid, s in list(self.samples.items()) if s}  # the thread adds
@@ -291,7 +305,8 @@ def run_soak(opts, root_pid: int | None, out_dir: Path) -> dict:
     env = {**os.environ}
     if opts.api_key:
         env["LOADTEST_API_KEY"] = opts.api_key
-    sampler = RssSampler(root_pid, opts.app, opts.rss_interval_s)
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    sampler = RssSampler(root_pid, opts.app, opts.rss_interval_s, f"{opts.url.rstrip('/')}/dcut/status", headers)
     sampler.sample()
     sampler.start()
     reader = LogReader(log)
@@ -330,7 +345,7 @@ def run_soak(opts, root_pid: int | None, out_dir: Path) -> dict:
         sampler.stop()
     c = reader.poll()
     t0 = c.first_start or t_start
-    growth = rss_growth(sampler.samples, sampler.names, warmup_end, opts.warmup_s)
+    growth = rss_growth(sampler.samples, sampler.names, warmup_end, opts.warmup_s, sampler.ready)
     growths = [g.growth_pct for g in growth if g.growth_pct is not None]
     report = {
         "users": opts.users, "minutes": opts.minutes, "max_tokens": opts.max_tokens,
@@ -347,6 +362,7 @@ def run_soak(opts, root_pid: int | None, out_dir: Path) -> dict:
         "max_rss_growth_pct": max(growths) if growths else None,
         # per replica pid: [seconds since the soak started, MiB] every --rss-interval-s (a leak is a slope that
         # does not flatten; pools and caches filling up flatten)
+        "replica_ready_s": {str(pid): round(t - t_start, 1) for pid, t in sampler.ready.items()},
         "replica_rss_series": {str(pid): [[round(t - t_start, 1), round(rss / 2**20)] for t, rss in series]
                                for pid, series in sampler.samples.items()},
     }

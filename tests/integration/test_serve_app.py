@@ -70,6 +70,9 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
                   autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
                                "request_tokens_per_s": 1e5, "upscale_delay_s": 0, "downscale_delay_s": 3,
                                "look_back_period_s": 2})
+    # batch 8 profiled too: the drain test's app starts from this table, and one of its replicas must be able to
+    # run its 5 clients at once (capacity: requests run at the objective, dcut.telemetry.capacity)
+    scale["engine"]["dcut"]["profile_batch_sizes"] = [1, 8]
     t0 = time.monotonic()
     serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
                     serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
@@ -314,7 +317,8 @@ def test_capacity_and_demand_from_dcut_estimates(client):
         assert r["capacity_from"] == "estimates"
         assert sorted(e["batch_size"] for e in r["estimates"]) == [1, 4]
         estimates = [telemetry.ThroughputEstimate(**e) for e in r["estimates"]]
-        expected = telemetry.capacity(estimates, rate) or min(estimates, key=lambda e: e.batch_size).tokens_per_s
+        expected = telemetry.capacity(estimates, rate, max_batch_size=8)  # the app's max_num_seqs
+        assert expected > 0
         assert r["capacity_tokens_per_s"] == pytest.approx(expected)
         assert r["demand_tokens_per_s"] == 0.0  # idle now
     assert {"capacity_tokens_per_s", "demand_tokens_per_s", "suggested_replicas"} <= set(status["cluster"])
@@ -501,7 +505,8 @@ def test_controller_killed_serving_continues_and_restarted_controller_relearns(c
 
 
 def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
-    """A third app starts at 2 replicas with an objective so low that the policy wants 1: the downscale comes
+    """A third app starts at 2 replicas with an objective so low that the policy wants 1 (one replica runs the 5
+    clients at once at batch 8, the largest in its table): the downscale comes
     while clients keep sending (streams and plain), the stopped replica finishes what it runs: 0 failures.
     Then `serve.delete` (what `serve shutdown` does) with requests in flight: they finish too."""
     from ray import serve

@@ -83,3 +83,14 @@ def test_ray_executor_without_enough_bundles_is_refused() -> None:
     ok = AppConfig.model_validate({"engine": engine, "engine_replica": {
         **replica, "num_cpus": 1, "placement_group_bundles": [{"CPU": 2, "GPU": 1}, {"CPU": 1, "GPU": 1}]}})
     assert ok.engine_replica.placement()["placement_group_bundles"][1] == {"CPU": 1, "GPU": 1}
+
+
+def test_jemalloc_is_preloaded_from_the_installed_ray() -> None:
+    from deployments.settings import EngineReplicaSettings
+
+    env = EngineReplicaSettings(allocator="jemalloc", env={"LD_PRELOAD": "/opt/other.so"}).placement()[
+        "ray_actor_options"]["runtime_env"]["env_vars"]
+    first, other = env["LD_PRELOAD"].split(":")
+    assert Path(first).is_file() and first.endswith("libjemalloc.so") and other == "/opt/other.so"
+    system = EngineReplicaSettings().placement()["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert "LD_PRELOAD" not in system

@@ -131,3 +131,15 @@ def test_pin_tree_confines_every_thread_of_a_process_and_its_children():
         for p in psutil.Process(parent.pid).children():
             p.kill()
         parent.kill()
+
+
+def test_rss_growth_of_a_late_replica_counts_from_when_it_served():
+    """A replica started during the soak whose engine start (compiling, profiling) outlasts ``warmup_s`` from its
+    process's first sample: its baseline is ``warmup_s`` after the application first listed it."""
+    mib = 2**20
+    series = [(36.0, 400 * mib), (96.0, 1500 * mib), (230.0, 1600 * mib), (240.0, 2700 * mib),
+              (300.0, 3000 * mib), (600.0, 3050 * mib)]
+    by_process = rss_growth({7: series}, {}, warmup_end=60.0, warmup_s=60.0)[0]
+    by_ready = rss_growth({7: series}, {}, warmup_end=60.0, warmup_s=60.0, ready={7: 235.0})[0]
+    assert by_process.baseline == 1500 * mib and by_process.growth_pct > 100  # its start-up, read as growth
+    assert by_ready.baseline == 3000 * mib and by_ready.growth_pct == round(100 * 50 / 3000, 2)

@@ -93,7 +93,14 @@ def test_throughput_capacity_demand() -> None:
     assert one.tokens_per_s == pytest.approx(1.75 / 10.0 * 1000)  # 175
     assert four.tokens_per_s == pytest.approx(7.0 / 40.0 * 1000)  # 175
     assert four.request_tokens_per_s == pytest.approx(43.75)
-    assert capacity(est, min_request_rate=50.0) == pytest.approx(175.0)
-    assert capacity(est, min_request_rate=500.0) == 0.0
-    assert capacity([ThroughputEstimate(2, 3.0, 10.0, 300.0, 150.0), *est], 100.0) == 300.0
+    # capacity: the objective rate x the most requests run at once that each still get it
+    assert capacity(est, min_request_rate=40.0) == pytest.approx(40.0 * 4)  # batch 4: 43.75 each
+    assert capacity(est, min_request_rate=50.0) == pytest.approx(50.0 * 1)  # only batch 1 meets it
+    assert capacity(est, min_request_rate=500.0) == 500.0  # none does: one request at a time
+    assert capacity(est, min_request_rate=40.0, max_batch_size=2) == pytest.approx(40.0)  # max_num_seqs bounds it
+    assert capacity([], 40.0) == 0.0
+    with_two = [ThroughputEstimate(2, 3.0, 10.0, 300.0, 150.0), *est]
+    assert capacity(with_two, 100.0) == 200.0
+    # in demand's units: a replica holding as many requests as it can run at the objective is fully used
+    assert demand(running=4, waiting=0, per_request_rate=40.0) == capacity(est, 40.0)
     assert demand(running=3, waiting=2, per_request_rate=20.0) == 100.0
