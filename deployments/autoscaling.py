@@ -32,7 +32,7 @@ logger = logging.getLogger("ray.serve")
 class DCutPolicy:
     """Ray Serve 2.60 class-callable policy; ``policy_kwargs`` from the config reach ``__init__``."""
 
-    def __init__(self, target_utilization: float = 0.7, hysteresis: float = 0.2):
+    def __init__(self, target_utilization: float = 0.7, hysteresis: float = 0.3):
         if not 0 < target_utilization <= 1 or not 0 <= hysteresis < 1:
             raise ValueError("need 0 < target_utilization <= 1 and 0 <= hysteresis < 1")
         self.target_utilization = target_utilization

@@ -26,14 +26,14 @@ class AutoscalingSettings(_Strict):
     initial_replicas: int | None = Field(None, ge=1)
     target_utilization: float = Field(0.7, gt=0.0, le=1.0,
                                       description="Fraction of a replica's capacity to plan for.")
-    hysteresis: float = Field(0.2, ge=0.0, lt=1.0,
+    hysteresis: float = Field(0.3, ge=0.0, lt=1.0,
                               description="Scale down only when utilisation falls below "
                               "target_utilization x (1 - hysteresis).")
     request_tokens_per_s: float = Field(20.0, gt=0.0,
                                         description="Latency objective: decode rate one request is owed; "
                                         "demand = ongoing requests x this rate.")
-    upscale_delay_s: float = Field(10.0, ge=0.0)
-    downscale_delay_s: float = Field(120.0, ge=0.0)
+    upscale_delay_s: float = Field(5.0, ge=0.0, description="Defaults chosen by the simulator (docs/autoscaling).")
+    downscale_delay_s: float = Field(60.0, ge=0.0)
     look_back_period_s: float = Field(10.0, gt=0.0)
 
     @model_validator(mode="after")

@@ -246,8 +246,8 @@ def readme(args: argparse.Namespace, command: str, machine: dict, replica: Repli
         "",
         "Definitions:",
         "- **ideal**: `replicas_needed(demand, capacity, target_utilization)` for the demand of that second, no lag.",
-        "- **decision period**: Serve's metric push interval, `metrics_interval_s` (10 s in Ray 2.60, equal to the "
-        "app's `upscale_delay_s`): the controller gets new evidence to decide on this often. Fixed across the sweep, "
+        "- **decision period**: Serve's metric push interval, `metrics_interval_s` (10 s in Ray 2.60): the "
+        "controller gets new evidence to decide on this often. Fixed across the sweep, "
         "so that a setting cannot pass the step's bar by lengthening its own period.",
         "- **reaction** (step, 10% -> 100% at 300 s): seconds until Serve's target is within 10% of the ideal; "
         "**ready**: until the ready replicas are. Worst and median over the 10 phases of the handle's metric push.",

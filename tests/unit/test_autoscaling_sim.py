@@ -92,9 +92,10 @@ def test_step_at_a_small_fleet_reaches_what_it_needs():
     settings = knobs(10)
     run = simulate(make_trace("step"), 10, settings, REPLICA, 0.7, control_period_s=1.0, phase_s=5, keep_series=True)
     record_s, push_s, _ = metric_intervals(AutoscalingConfig(**settings.serve_config()))
-    # Evidence reaches the controller within a push and a record; then Serve waits the upscale delay.
+    # The bar: within 2 decision periods (Serve's metric push interval). Evidence reaches the controller
+    # within a push and a record, the first push after the step may carry only part of it, then the upscale delay.
     assert run.scores.reaction_s is not None
-    assert run.scores.reaction_s <= push_s + record_s + settings.upscale_delay_s + 1
+    assert record_s + settings.upscale_delay_s <= run.scores.reaction_s <= 2 * push_s
     assert run.scores.ready_reaction_s >= REPLICA.startup_s * 0.85  # capacity comes only with started replicas
     needed = run.series.ideal[-1]
     assert needed == 10 and needed <= run.series.ready[-1] <= 1.1 * needed
