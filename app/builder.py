@@ -16,6 +16,7 @@ from app.config import AppConfig
 from deployments.controller import DCutController
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
+from deployments.settings import actor_options
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
@@ -25,7 +26,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
 
     routing = rs.routing.serve_config()
     controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
-                                  ray_actor_options=_actor(cfg.controller.num_cpus, cfg.controller.resources),
+                                  ray_actor_options=actor_options(cfg.controller.num_cpus, cfg.controller.resources),
                                   max_ongoing_requests=1000).bind(cfg.controller, rs.autoscaling)
     engine = serve.deployment(
         EngineReplica, name="EngineReplica", **rs.placement(),
@@ -39,11 +40,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     ).bind(cfg.engine, rs, controller)
     # The ingress drains as long as the replicas it forwards to, so `serve shutdown` cuts no request short.
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
-                               ray_actor_options=_actor(cfg.ingress.num_cpus, cfg.ingress.resources),
+                               ray_actor_options=actor_options(cfg.ingress.num_cpus, cfg.ingress.resources),
                                max_ongoing_requests=cfg.ingress.max_ongoing_requests,
                                graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s)
     return ingress.bind(cfg.ingress, engine, controller)
-
-
-def _actor(num_cpus: float, resources: dict[str, float]) -> dict:
-    return {"num_cpus": num_cpus, **({"resources": dict(resources)} if resources else {})}

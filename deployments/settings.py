@@ -136,9 +136,7 @@ class EngineReplicaSettings(_Strict):
         env = dict(self.env)
         if self.allocator == "jemalloc":
             env["LD_PRELOAD"] = ":".join(p for p in (str(jemalloc_path()), env.get("LD_PRELOAD")) if p)
-        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "runtime_env": {"env_vars": env}}
-        if self.resources:
-            actor["resources"] = dict(self.resources)
+        actor = actor_options(self.num_cpus, self.resources, num_gpus=self.num_gpus, runtime_env={"env_vars": env})
         options: dict = {"ray_actor_options": actor}
         if self.max_replicas_per_node is not None:
             options["max_replicas_per_node"] = self.max_replicas_per_node
@@ -146,6 +144,11 @@ class EngineReplicaSettings(_Strict):
             options["placement_group_bundles"] = [dict(b) for b in self.placement_group_bundles]
             options["placement_group_strategy"] = self.placement_group_strategy
         return options
+
+
+def actor_options(num_cpus: float, resources: dict[str, float], **more) -> dict:
+    """Ray actor options of a deployment's replicas: CPUs, custom resources when any, and ``more``."""
+    return {"num_cpus": num_cpus, **({"resources": dict(resources)} if resources else {}), **more}
 
 
 def jemalloc_path() -> Path:

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 POLL_S = 1.0
 
@@ -27,10 +28,9 @@ def watch_parent(poll_s: float = POLL_S) -> threading.Thread | None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
-        stop = threading.Event()
-        while not stop.wait(poll_s):
-            if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGKILL)  # no cleanup to run: the parent that wanted results is gone
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)  # no cleanup to run: the parent that wanted results is gone
 
     thread = threading.Thread(target=watch, name="dcut-parent-watch", daemon=True)
     thread.start()

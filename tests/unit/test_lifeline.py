@@ -10,11 +10,13 @@ import time
 import psutil
 
 from dcut.vllm.lifeline import watch_parent
+from loadtest.faults import alive
 
 # The middle process starts a multiprocessing child that watches it, prints the child's pid, and is SIGKILLed.
 MIDDLE = """
 import multiprocessing, os, signal, sys, time
 from dcut.vllm.lifeline import watch_parent
+from loadtest.faults import alive
 
 def child():
     watch_parent(poll_s=0.1)
@@ -35,9 +37,12 @@ def test_child_dies_when_its_parent_is_killed(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                          cwd=os.getcwd())
     assert out.returncode == -9, out.stderr
-    child = psutil.Process(int(out.stdout.split()[0])) if psutil.pid_exists(int(out.stdout.split()[0])) else None
+    try:
+        child = psutil.Process(int(out.stdout.split()[0]))
+    except psutil.NoSuchProcess:
+        return  # already gone
     deadline = time.monotonic() + 5
-    while child is not None and child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+    while alive(child):
         assert time.monotonic() < deadline, "the orphaned child is still alive"
         time.sleep(0.1)
 
