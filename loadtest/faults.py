@@ -32,6 +32,7 @@ import psutil
 import yaml
 
 LOCAL = ("127.0.0.1", "localhost")
+RETRY_BACKOFF_S = 0.5  # the OpenAI SDK's first retry delay (INITIAL_RETRY_DELAY)
 
 
 def stream_ending(text: str) -> str:
@@ -47,7 +48,9 @@ class Load:
     code, ``cut``/``error`` for a stream that did not end cleanly, or the client-side exception's name).
 
     ``client_retries``: how often a client sends a request again when its connection broke before any response
-    (a proxy that died with its node), as the OpenAI SDK does (``max_retries=2``); ``reconnects`` counts them."""
+    (a proxy that died with its node), after a backoff of 0.5 s doubling per try, as the OpenAI SDK does
+    (``max_retries=2``, backoff from 0.5 s): a dying node's proxy may still take connections for a moment, and an
+    immediate retry can land on it again. ``reconnects`` counts them."""
 
     def __init__(self, client: httpx.AsyncClient, body: dict, users: int, path: str = "/v1/completions",
                  client_retries: int = 0):
@@ -66,6 +69,7 @@ class Load:
                 except httpx.TransportError as e:  # no response: the connection broke or never opened
                     if attempt < self.client_retries:
                         self.reconnects[type(e).__name__] += 1
+                        await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
                         continue
                     self.outcomes[type(e).__name__] += 1
                 except httpx.HTTPError as e:
@@ -163,7 +167,7 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
         report.children = len(children)
         os.kill(pid, signal.SIGKILL)
         await _watch(client, victim, len(before), report, t0, t0 + load_s, done=lambda r: False)
-    report.orphans = sum(_alive(c) for c in children)
+    report.orphans = sum(alive(c) for c in children)
     report.probe_stream = await probe_task
     report.outcomes = dict(load.outcomes)
     seen = "replaced_s" if until_replaced else "dropped_from_status_s"
@@ -173,7 +177,8 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
     return report
 
 
-def _alive(process: psutil.Process) -> bool:
+def alive(process: psutil.Process) -> bool:
+    """Running and not a zombie (an orphan nobody reaped yet is dead)."""
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
