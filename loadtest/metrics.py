@@ -201,7 +201,8 @@ def acceptance_between(before: dict | None, after: dict | None) -> dict[str, flo
         "replicas": seen,
         "steps": int(sums["steps"]),
         "mean_accepted_length": sums["accepted"] / sums["request_steps"] if sums["request_steps"] else None,
-        "keep_ratio": sums["keep_ratio_sum"] / sums["keep_ratio_steps"] if sums["keep_ratio_steps"] else None,
+        # each step's ratio is at most 1; the difference of two running float sums can exceed it by an ulp
+        "keep_ratio": min(1.0, sums["keep_ratio_sum"] / sums["keep_ratio_steps"]) if sums["keep_ratio_steps"] else None,
     }
 
 

@@ -144,6 +144,15 @@ def test_acceptance_between_two_readings():
     assert got["keep_ratio"] == pytest.approx((10.0 + 2.0 + 8.0) / (20 + 2 + 8))
 
 
+def test_keep_ratio_of_steps_that_kept_everything_is_one():
+    """Two steps that kept every draft after a running sum of 31.507: in floats the sum grows by more than 2,
+    and the ratio between two readings must still not exceed 1."""
+    before_sum = 31.507
+    after_sum = before_sum + 1.0 + 1.0
+    before, after = _status(a=_totals(40, 40, 0, before_sum, 40)), _status(a=_totals(42, 42, 0, after_sum, 42))
+    assert (after_sum - before_sum) / 2 > 1 and acceptance_between(before, after)["keep_ratio"] == 1.0
+
+
 def test_acceptance_without_dcut_telemetry():
     plain = {"replicas": [{"replica_id": "a", "totals": None}]}
     assert acceptance_between(plain, plain) == {"replicas": 0, "steps": 0, "mean_accepted_length": None,
