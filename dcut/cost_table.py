@@ -16,17 +16,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict
-from torch import Tensor
 from tqdm import tqdm
 
 import dcut
+from dcut.buckets import AUTO_RATIOS, bucket_budget
 from dcut.machine import cpu_model
-from dcut.selection import AUTO_RATIOS, bucket_budget
+
+if TYPE_CHECKING:  # tables are read by the Serve control plane too (controller, ingress), which loads no torch
+    import torch
+    from torch import Tensor
 
 PROFILE_RATIOS = (0.0, *AUTO_RATIOS)  # 0.0: a plain decode step, no drafts
 
@@ -57,6 +59,8 @@ class FingerprintMismatch(ValueError):
 
 def current_hardware() -> str:
     """The GPU name when CUDA is available, else the CPU model and core count."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"{cpu_model()} x{os.cpu_count()}"
@@ -130,12 +134,14 @@ class CostTable:
             return None
         device = verify_tokens.device
         dense = self._dense.get((cover, device))
-        if dense is None:
+        if dense is None:  # once per batch size and device
+            import torch
+
             row = self.points[cover]
             grid = np.arange(row[-1][0] + 1)
             values = np.interp(grid, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        costs = torch.take(dense, verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
+        costs = dense.take(verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
         delta = self.offset(cover, plain=True) - self.offset(cover)
         return costs + (verify_tokens <= bs) * delta if delta else costs
 

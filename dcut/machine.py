@@ -7,8 +7,6 @@ import platform
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 def cpu_model() -> str:
     """The CPU model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
@@ -23,6 +21,8 @@ def cpu_model() -> str:
 
 def machine_info() -> dict[str, Any]:
     """CPU/GPU, cores and software versions: numbers from different machines are not comparable."""
+    import torch  # here, not at the top: the cost table's fingerprint reads `cpu_model` in processes without torch
+
     return {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),

@@ -16,9 +16,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dcut.buckets import AUTO_RATIOS, bucket_budget
 from dcut.settings import DCutSettings
-
-AUTO_RATIOS = (0.25, 0.5, 0.75, 1.0)
 
 
 class CostLookup(Protocol):
@@ -49,18 +48,6 @@ def prefix_scores(log_conf: Tensor, max_depth: Tensor | None = None) -> Tensor:
     if max_depth is not None:
         scores.masked_fill_(_beyond_depth(scores, max_depth), 0.0)
     return scores
-
-
-def bucket_budget(ratio: float, bs: int, k: int) -> int:
-    """Drafts kept across the batch for keep ratio ``ratio``.
-
-    We follow the reference implementation, not the seed text's ``ceil(ratio*bs*(D-1))``: the
-    ratio applies to all ``bs*(k+1)`` verify slots including the ``bs`` anchor slots, which are
-    then removed: ``max(0, ceil(ratio*bs*(k+1)) - bs)``, clamped to ``bs*k``. Both agree at
-    ratio 1; ours prunes harder at small ratios (ratio 0.25, k=15 keeps 3 drafts per request).
-    """
-    slots = ratio * bs * (k + 1)
-    return min(bs * k, max(0, math.ceil(slots - 1e-9 * max(1.0, slots)) - bs))
 
 
 def keep_depths_for_budget(scores: Tensor, budget: int | Tensor) -> Tensor:

@@ -4,17 +4,28 @@ and is validated back on the other side."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from dcut.cost_table import Fingerprint
 from dcut.settings import DCutSettings
-from dcut.telemetry import ThroughputEstimate
 
 # Where the cost table came from: not loaded yet, handed in (a path), the fingerprint's cache (a path),
 # profiled at start, or none at all (the fallback keep ratio decides).
 CostSource = Literal["pending", "given", "cache", "profiled", "fallback"]
+
+
+@dataclass(frozen=True)
+class ThroughputEstimate:
+    """Predicted steady state at one batch size (``dcut.telemetry.throughput_by_batch_size``)."""
+
+    batch_size: int
+    tokens_per_step: float
+    step_ms: float
+    tokens_per_s: float
+    request_tokens_per_s: float  # per request: the latency side
 
 
 class _Record(BaseModel):

@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from torch import Tensor
+
+if TYPE_CHECKING:  # the settings are read by the ingress and the controller too, which need no torch
+    from torch import Tensor
 
 
 class SpecExitSettings(BaseModel):
@@ -68,10 +69,10 @@ def step_signals(raw: Tensor) -> Signals:
     logits): activated per position, then averaged over the step's draft positions."""
     if raw.ndim != 2 or raw.shape[-1] != 3 or raw.shape[0] == 0:
         raise ValueError(f"expected raw signals [positions >= 1, 3], got {tuple(raw.shape)}")
-    raw = raw.to(torch.float64)
-    conf = torch.sigmoid(raw[:, 0]).mean()
-    prog = torch.sigmoid(raw[:, 1]).mean()
-    remaining = torch.exp(raw[:, 2].clamp(max=30.0)).mean()
+    raw = raw.double()
+    conf = raw[:, 0].sigmoid().mean()
+    prog = raw[:, 1].sigmoid().mean()
+    remaining = raw[:, 2].clamp(max=30.0).exp().mean()
     return Signals(float(conf), float(prog), float(remaining))
 
 

@@ -19,6 +19,7 @@ import torch
 
 from dcut.selection import CostLookup, select
 from dcut.settings import DCutSettings
+from dcut.snapshot import ThroughputEstimate
 
 
 @dataclass
@@ -156,17 +157,6 @@ class StepWindow:
 
     def _keep_ratios(self) -> list[float]:
         return [r.kept / r.proposed for r in self.records if r.proposed > 0]
-
-
-@dataclass(frozen=True)
-class ThroughputEstimate:
-    """Predicted steady state at one batch size."""
-
-    batch_size: int
-    tokens_per_step: float
-    step_ms: float
-    tokens_per_s: float
-    request_tokens_per_s: float  # per request: the latency side
 
 
 def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings: DCutSettings,

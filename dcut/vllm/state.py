@@ -33,8 +33,8 @@ from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, profile_cost_table
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
-from dcut.snapshot import CostSource, DCutSnapshot, Overhead, Totals, WindowSummary
-from dcut.telemetry import StepRecord, StepWindow, ThroughputEstimate, throughput_by_batch_size
+from dcut.snapshot import CostSource, DCutSnapshot, Overhead, ThroughputEstimate, Totals, WindowSummary
+from dcut.telemetry import StepRecord, StepWindow, throughput_by_batch_size
 from dcut.vllm import metrics
 from dcut.vllm.engine import additional_settings
 from dcut.width import (

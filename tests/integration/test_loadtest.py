@@ -22,6 +22,7 @@ import pytest
 from loadtest.arms import ARMS, arm_args
 from loadtest.metrics import LATENCIES, PERCENTILES
 from loadtest.results import run_result
+from tests.serve_apps import delete_apps
 
 pytestmark = pytest.mark.integration
 
@@ -85,8 +86,7 @@ def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
         assert time.monotonic() < deadline, f"arms {sorted(waiting)} did not serve within 360 s"
         time.sleep(1)
     yield {arm: f"{ROOT}/lt-{arm}" for arm in ARMS}
-    for arm in ARMS:
-        serve.delete(f"lt-{arm}")
+    delete_apps(*(f"lt-{arm}" for arm in ARMS))
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_report_of_every_arm(arm_apps, tmp_path):
     from loadtest import run
     from loadtest.report import write_report
 
-    opts = run.parse_args(["--users", "2", "--rates", "3", "--repeats", "1", "--duration", "3", "--ramp", "1",
+    opts = run.parse_args(["--users", "2", "--rates", "3", "--repeats", "1", "--duration", "2", "--ramp", "1",
                            "--max-tokens", "4:12", "--prompt-chars", "16:120", "--seed", "1",
                            "--status-timeout", "5", "--ttft-ms", "60000", "--tpot-ms", "10000"])
     work, out = tmp_path / "work", tmp_path / "report"
@@ -160,7 +160,7 @@ def test_report_of_every_arm(arm_apps, tmp_path):
         target = run.Target(base, KEY, MODEL)
         run.measure_arm(arm, [run.Point("users", 2)], lambda: [3.0], target, opts, work, _get_json(base), runs)
     run.copy_raw(runs, work, out)
-    record = write_report(out, runs, {"setup": {"repeats": 1, "ramp_s": 1, "duration_s": 3, "work": str(work),
+    record = write_report(out, runs, {"setup": {"repeats": 1, "ramp_s": 1, "duration_s": 2, "work": str(work),
                                                 "objectives": {"ttft_ms": 60000, "tpot_ms": 10000}},
                                       "arms": {}, "machine": {}})
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from dcut.settings import EMBEDDED_MODELS, engine_env
+from tests.serve_apps import delete_apps
 
 pytestmark = pytest.mark.integration
 
@@ -60,8 +61,7 @@ def two_apps(ray_cluster, tiny_models, tmp_path_factory):
             pytest.fail("no cost table in both controllers within 300 s")
         time.sleep(1)
     yield
-    serve.delete("moe")
-    serve.delete("dense-tp1")
+    delete_apps("moe", "dense-tp1")
 
 
 def test_moe_tensor_parallel_answers_through_the_ingress(two_apps):

@@ -19,6 +19,7 @@ import pytest
 
 from dcut.settings import engine_env
 from tests.fault_engine import MARKER as FAULT
+from tests.serve_apps import delete_apps, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +47,6 @@ def _args(models: dict, cache_dir, **replica) -> dict:
     }
 
 
-def _wait_until(condition, timeout_s: float, what: str, every_s: float = 0.5) -> None:
-    """Poll ``condition`` until it holds; fail the test (or fixture) at the deadline, naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s")
-        time.sleep(every_s)
-
-
 @pytest.fixture(scope="module")
 def apps(ray_cluster, tiny_models, tmp_path_factory):
     from ray import serve
@@ -76,12 +68,11 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     t0 = time.monotonic()
     serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
                     serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
-    _wait_until(lambda: len(httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()["replicas"]) == 2,
+    wait_until(lambda: len(httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()["replicas"]) == 2,
                 120, "both engine replicas reporting to the controller")
     print(f"apps ready in {time.monotonic() - t0:.1f} s")
     yield
-    serve.delete("scale")
-    serve.delete("dcut")
+    delete_apps("scale", "dcut")
 
 
 @pytest.fixture
@@ -198,7 +189,7 @@ def test_engine_fault_is_500_and_replica_survives(client):
         assert client.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2}
                            ).status_code == 200
     after = time.monotonic()  # the replicas report again after the faults: neither was replaced
-    _wait_until(lambda: all(r["age_s"] < time.monotonic() - after for r in _status(client)["replicas"]), 10,
+    wait_until(lambda: all(r["age_s"] < time.monotonic() - after for r in _status(client)["replicas"]), 10,
                 "fresh report from every replica")
     assert {r["replica_id"] for r in _status(client)["replicas"]} == before
 
@@ -212,7 +203,7 @@ def test_replicas_publish_routing_figures(client):
 
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).status_code == 200
     handle = serve.get_deployment_handle("EngineReplica", app_name="dcut")
-    _wait_until(lambda: RoutingStats.from_dict(handle.record_routing_stats.remote().result()) is not None, 30,
+    wait_until(lambda: RoutingStats.from_dict(handle.record_routing_stats.remote().result()) is not None, 30,
                 "routing figures from a replica")
     stats = RoutingStats.from_dict(handle.record_routing_stats.remote().result())
     assert list(stats.batch_sizes) == [1, 4] and all(t > 0 for t in stats.tokens_per_s)
@@ -306,7 +297,7 @@ def test_capacity_and_demand_from_dcut_estimates(client):
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
     for _ in range(4):  # both replicas step with D-Cut on
         assert client.post("/v1/completions", json=body).status_code == 200
-    _wait_until(lambda: all(r["steps"] and r["capacity_from"] == "estimates" and r["demand_tokens_per_s"] == 0.0
+    wait_until(lambda: all(r["steps"] and r["capacity_from"] == "estimates" and r["demand_tokens_per_s"] == 0.0
                             for r in _status(client)["replicas"]), 15, "telemetry of the steps from every replica")
     status = _status(client)
     rate = status["cluster"]["request_tokens_per_s"]

@@ -8,8 +8,7 @@ import pytest
 
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.settings import DCutSettings
-from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
-from dcut.telemetry import ThroughputEstimate
+from dcut.snapshot import DCutSnapshot, Overhead, ThroughputEstimate, WindowSummary
 from deployments.controller import DCutController
 from deployments.records import EngineLoad, ReplicaReport
 from deployments.settings import AutoscalingSettings, ControllerSettings

@@ -17,8 +17,7 @@ from dcut.routing import (
     routing_stats,
 )
 from dcut.settings import DCutSettings
-from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
-from dcut.telemetry import ThroughputEstimate
+from dcut.snapshot import DCutSnapshot, Overhead, ThroughputEstimate, WindowSummary
 from deployments.routing import DCutRequestRouter
 from deployments.settings import RoutingSettings
 
