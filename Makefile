@@ -32,14 +32,8 @@ $(CHROMIUM):
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Tests on the session's Ray instance run one at a time (their Serve apps load every core); in-process engines
-# and pure logic, mostly single-threaded, run two files at a time (tests/conftest.py marks the first `serve`).
-# Both parts run even when the first fails.
 test: lint $(CHROMIUM)
-	status=0; \
-	$(PY) -m pytest -q --durations=15 -m serve || status=1; \
-	$(PY) -m pytest -q --durations=15 -m "not serve" -n 2 --dist loadfile || status=1; \
-	exit $$status
+	$(PY) -m pytest -q --durations=15
 
 test-unit: lint   # pure logic on synthetic tensors and stub-free vLLM imports: no engine, under a minute
 	$(PY) -m pytest -q --durations=5 tests/unit

@@ -15,14 +15,6 @@ for _key, _value in engine_env(kv_cache_gib=1).items():
     os.environ.setdefault(_key, _value)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark what runs on the session's Ray instance: `make test` runs those one at a time on one Ray instance,
-    and the rest (in-process engines, pure logic) two at a time (pytest-xdist)."""
-    for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.serve)
-
-
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """A random Qwen3 target with a chat template and its DFlash head (``tests.tiny_models``)."""
