@@ -480,7 +480,7 @@ def test_controller_killed_serving_continues_and_restarted_controller_relearns(c
 
     before = _status(client)
     ids, tables = {r["replica_id"] for r in before["replicas"]}, set(before["cost_tables"])
-    os.kill(replica_pid("#DCutController#"), 9)
+    os.kill(replica_pid("::dcut#DCutController#"), 9)  # this app's: the "scale" app has a controller too
     t0 = time.monotonic()
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     for _ in range(4):  # while Serve notices and restarts it
@@ -505,8 +505,12 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     from app.builder import build_app
     from loadtest.faults import Load
 
-    scale = httpx.get(f"{BASE}/scale/dcut/status", headers=AUTH, timeout=60).json()["cost_tables"]
-    (table,) = [t["table"] for t in scale.values()]
+    def scale_tables() -> list[dict]:
+        return [t["table"] for t in httpx.get(f"{BASE}/scale/dcut/status", headers=AUTH,
+                                              timeout=60).json()["cost_tables"].values()]
+
+    wait_until(scale_tables, 30, "cost table in the scale app's controller")
+    (table,) = scale_tables()
     (tmp_path / "table.json").write_text(json.dumps(table))  # both replicas start at once, nobody profiles
     args = _args(tiny_models, tmp_path, max_ongoing_requests=8, max_queued_requests=16,
                  autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2,
