@@ -162,6 +162,20 @@ def test_cli_parses_all():
     assert isinstance(cmd.HELP, str)
 
 
+def test_distill_sequence_length_is_an_option_and_too_short_is_refused(tmp_path, capsys):
+    import argparse
+
+    from dcut.cli import main
+    from dcut.commands import train as cmd
+
+    p = argparse.ArgumentParser()
+    cmd.configure(p)
+    assert p.parse_args(["deep-drafter-distill"]).seq_len == cmd.SEQ_LEN
+    assert p.parse_args(["deep-drafter-distill", "--seq-len", "192"]).seq_len == 192
+    assert main(["train", "deep-drafter-distill", "--out", "models", "--runs", str(tmp_path), "--seq-len", "64"]) == 2
+    assert "--seq-len must leave room" in capsys.readouterr().err
+
+
 def test_block_mask_holds_only_the_drafted_width():
     m = M.block_attention_mask(torch.tensor([[3, 7]]), T=10, block=4, widths=torch.tensor([[1, 3]]))[0, 0]
     assert m[0, 10:12].all() and not m[0, 12:14].any()  # width 1: the anchor and one mask slot

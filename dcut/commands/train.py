@@ -56,6 +56,7 @@ PAIRS = {
 }
 
 
+SEQ_LEN = 512  # tokens per training sequence
 REASONING_STAGES = ("data", "target", "drafter", "head", "verify")
 # The reasoning target: the dense pair's shape with this task's vocabulary (set from the data stage).
 REASONING_TARGET = {"kind": "dense", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768}
@@ -95,6 +96,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--sequences", type=int, default=128, help="greedy sequences to generate (default 128)")
         p.add_argument("--greedy-share", type=float, default=pair.greedy_share,
                        help=f"share of batches from the greedy sequences (default {pair.greedy_share})")
+        p.add_argument("--seq-len", type=int, default=SEQ_LEN,
+                       help=f"tokens per sequence, a 64-token prompt then the target's greedy tokens (default "
+                       f"{SEQ_LEN}); shorter puts the anchors where a served request's first tokens are")
     p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
                        "measure acceptance, write the model cards")
     _common(p)
@@ -132,10 +136,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
 
 
-def _budget(minutes: float, steps: int, lr: float, *, drafter: bool):
+def _budget(minutes: float, steps: int, lr: float, *, drafter: bool, seq_len: int = SEQ_LEN):
     from dcut.train.loop import Budget
 
-    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=512, batch=2, lr=lr, warmup=30 if drafter else 50)
+    return Budget(max_steps=steps, time_s=minutes * 60, seq_len=seq_len, batch=2, lr=lr,
+                  warmup=30 if drafter else 50)
 
 
 def _target_spec(kind: str):
@@ -348,7 +353,10 @@ def run(args) -> int:
         tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
         if not (out / dname / ".done").exists():
             raise CommandError(f"train the {kind} drafter first (`dcut train {kind}-drafter`)")
-        P.stage_drafter_distill(dname, tname, out, runs, _budget(args.minutes, args.steps, args.lr, drafter=True),
+        if args.seq_len <= 64 + 16:
+            raise CommandError("--seq-len must leave room for a 64-token prompt and a 16-token block")
+        P.stage_drafter_distill(dname, tname, out, runs,
+                                _budget(args.minutes, args.steps, args.lr, drafter=True, seq_len=args.seq_len),
                                 args.seed, n_seqs=args.sequences, greedy_share=args.greedy_share)
     elif stage == "verify":
         verify_pair(out, runs, args.pair, args.num_prompts, args.max_tokens)
