@@ -353,8 +353,10 @@ def run(args) -> int:
         tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
         if not (out / dname / ".done").exists():
             raise CommandError(f"train the {kind} drafter first (`dcut train {kind}-drafter`)")
-        if args.seq_len <= 64 + 16:
-            raise CommandError("--seq-len must leave room for a 64-token prompt and a 16-token block")
+        block = _drafter_spec(kind).block_size
+        if args.seq_len <= P.DISTILL_PROMPT_LEN + block:
+            raise CommandError(f"--seq-len must leave room for a {P.DISTILL_PROMPT_LEN}-token prompt and a "
+                               f"{block}-token block")
         P.stage_drafter_distill(dname, tname, out, runs,
                                 _budget(args.minutes, args.steps, args.lr, drafter=True, seq_len=args.seq_len),
                                 args.seed, n_seqs=args.sequences, greedy_share=args.greedy_share)

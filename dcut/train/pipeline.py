@@ -22,6 +22,7 @@ from dcut.train import models as M
 from dcut.train import tokenizer as TK
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DISTILL_PROMPT_LEN = 64  # real-text tokens before the target's greedy continuation, per distillation sequence
 
 
 def _done(folder: Path) -> bool:
@@ -160,12 +161,13 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
 
         cmd = [sys.executable, "-m", "dcut.train.verify", "generate", "--target", str(out / target_name),
                "--tokens", str(runs / "data" / "train.npy"), "--out", str(data), "--n", str(n_seqs),
-               "--prompt-len", "64", "--total-len", str(budget.seq_len), "--seed", str(seed)]
+               "--prompt-len", str(DISTILL_PROMPT_LEN), "--total-len", str(budget.seq_len), "--seed", str(seed)]
         env = {**os.environ, **engine_env(kv_cache_gib=1)}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if not data.exists():  # fall back to HF generate
             L.log(f"{name}: vLLM greedy generation failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
-            np.save(data, L.generate_greedy(target, load_tokens(runs)[0], n_seqs, budget.seq_len, seed=seed))
+            np.save(data, L.generate_greedy(target, load_tokens(runs)[0], n_seqs, budget.seq_len,
+                                            prompt_len=DISTILL_PROMPT_LEN, seed=seed))
         L.log(f"{name}: {n_seqs} greedy sequences in {time.time() - t0:.0f}s")
     greedy = np.load(data)
     tokens, held = load_tokens(runs)

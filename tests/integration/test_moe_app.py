@@ -9,14 +9,13 @@ its cost table (fingerprint with TP 2) show in its own controller and not in the
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dcut.settings import EMBEDDED_MODELS, engine_env
-from tests.serve_apps import delete_apps
+from tests.serve_apps import delete_apps, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,11 +54,8 @@ def two_apps(ray_cluster, tiny_models, tmp_path_factory):
                   engine_env(kv_cache_gib=1), tmp_path_factory.mktemp("dense-cache"))
     serve.run_many([serve.RunTarget(build_app(moe), name="moe", route_prefix="/moe"),
                     serve.RunTarget(build_app(dense), name="dense-tp1", route_prefix="/dense-tp1")])
-    deadline = time.monotonic() + 300
-    while not (_status("/moe").get("cost_tables") and _status("/dense-tp1").get("cost_tables")):
-        if time.monotonic() > deadline:
-            pytest.fail("no cost table in both controllers within 300 s")
-        time.sleep(1)
+    wait_until(lambda: _status("/moe").get("cost_tables") and _status("/dense-tp1").get("cost_tables"), 300,
+               "cost table in both controllers", every_s=1)
     yield
     delete_apps("moe", "dense-tp1")
 

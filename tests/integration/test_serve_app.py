@@ -69,7 +69,7 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
                     serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
     wait_until(lambda: len(httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()["replicas"]) == 2,
-                120, "both engine replicas reporting to the controller")
+               120, "both engine replicas reporting to the controller")
     print(f"apps ready in {time.monotonic() - t0:.1f} s")
     yield
     delete_apps("scale", "dcut")
@@ -190,7 +190,7 @@ def test_engine_fault_is_500_and_replica_survives(client):
                            ).status_code == 200
     after = time.monotonic()  # the replicas report again after the faults: neither was replaced
     wait_until(lambda: all(r["age_s"] < time.monotonic() - after for r in _status(client)["replicas"]), 10,
-                "fresh report from every replica")
+               "fresh report from every replica")
     assert {r["replica_id"] for r in _status(client)["replicas"]} == before
 
 
@@ -204,7 +204,7 @@ def test_replicas_publish_routing_figures(client):
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).status_code == 200
     handle = serve.get_deployment_handle("EngineReplica", app_name="dcut")
     wait_until(lambda: RoutingStats.from_dict(handle.record_routing_stats.remote().result()) is not None, 30,
-                "routing figures from a replica")
+               "routing figures from a replica")
     stats = RoutingStats.from_dict(handle.record_routing_stats.remote().result())
     assert list(stats.batch_sizes) == [1, 4] and all(t > 0 for t in stats.tokens_per_s)
     assert (stats.speed is None or 0.1 <= stats.speed <= 10) and stats.max_running == 8  # None: it ran no step
@@ -298,7 +298,7 @@ def test_capacity_and_demand_from_dcut_estimates(client):
     for _ in range(4):  # both replicas step with D-Cut on
         assert client.post("/v1/completions", json=body).status_code == 200
     wait_until(lambda: all(r["steps"] and r["capacity_from"] == "estimates" and r["demand_tokens_per_s"] == 0.0
-                            for r in _status(client)["replicas"]), 15, "telemetry of the steps from every replica")
+                           for r in _status(client)["replicas"]), 15, "telemetry of the steps from every replica")
     status = _status(client)
     rate = status["cluster"]["request_tokens_per_s"]
     for r in status["replicas"]:
