@@ -176,6 +176,42 @@ def test_distill_sequence_length_is_an_option_and_too_short_is_refused(tmp_path,
     assert "--seq-len must leave room" in capsys.readouterr().err
 
 
+def _round(seq_len: int, command: str) -> dict:
+    return {"greedy_sequences": 8, "vary_width": True, "greedy_share": 0.75, "command": command, "seed": 1,
+            "steps": 10, "train_seconds": 60.0, "budget": {"seq_len": seq_len, "lr": 1e-3},
+            "eval": {"heldout_loss": 2.5, "heldout_mean_accepted_teacher_forced": 3.1}}
+
+
+def test_distill_rounds_read_single_records_and_skip_a_recorded_length(tmp_path):
+    from dcut.train import pipeline as P
+
+    first = _round(512, "first")
+    assert P.distill_rounds({}) == []
+    assert P.distill_rounds({"distill": first}) == [first]  # a record from before rounds existed
+    assert P.distill_rounds({"distill": [first, _round(192, "second")]})[1]["command"] == "second"
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".done").write_text(json.dumps({"distill": first}))
+    budget = L.Budget(max_steps=1, time_s=1.0, seq_len=512, batch=2, lr=1e-3, warmup=1)
+    # a round at a recorded length returns before loading the (here missing) target or training
+    assert P.stage_drafter_distill("d", "no-target", tmp_path, tmp_path, budget, seed=0)["distill"] == first
+
+
+def test_card_states_every_distill_round_and_the_measured_calibration(tmp_path):
+    from dcut.train import cards as C
+
+    text = C._distill_line({"distill": [_round(512, "cmd-a"), _round(192, "cmd-b")]})
+    assert "Then fine-tuned (`cmd-a`)" in text and "Then fine-tuned again (`cmd-b`)" in text
+    assert "sequences of 192 tokens (64-token real-text prompt + 128 greedy tokens)" in text
+    assert "not measured yet" in C._calibration_section(tmp_path, "t")
+    rec = {"command": "dcut generate --mode full", "batch_size": 16, "max_tokens": 128, "observations": [40, 20],
+           "acceptance_rate": [0.5, 0.25], "ece_raw": [0.1, 0.3], "ece_calibrated": [0.05, 0.125]}
+    (tmp_path / "calibration-t.json").write_text(json.dumps(rec))
+    section = C._calibration_section(tmp_path, "t")
+    assert "`dcut generate --mode full`" in section and "bs 16, 128 tokens" in section
+    assert "position 1..2: 40, 20" in section and "acceptance per position: 0.50, 0.25" in section
+    assert section.endswith("counted): 0.05, 0.12\n")
+
+
 def test_block_mask_holds_only_the_drafted_width():
     m = M.block_attention_mask(torch.tensor([[3, 7]]), T=10, block=4, widths=torch.tensor([[1, 3]]))[0, 0]
     assert m[0, 10:12].all() and not m[0, 12:14].any()  # width 1: the anchor and one mask slot

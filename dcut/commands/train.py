@@ -18,6 +18,17 @@ HELP = "Train the embedded models (tokenizer, Dense/deep/MoE targets, DFlash dra
 
 
 @dataclass(frozen=True)
+class Refine:
+    """A second distillation round on shorter sequences (`<kind>-drafter-distill --seq-len`)."""
+
+    minutes: float
+    seq_len: int
+    sequences: int
+    seed: int  # not the first round's: other prompts for the greedy continuations
+    greedy_share: float
+
+
+@dataclass(frozen=True)
 class Pair:
     """One embedded target and its DFlash drafter (folders: `dcut.settings.EMBEDDED_MODELS`): shapes and
     default time budgets (minutes)."""
@@ -29,6 +40,8 @@ class Pair:
     drafter_minutes: float
     distill_minutes: float
     greedy_share: float = 0.5  # share of distillation batches drawn from the target's greedy output
+    distill_sequences: int = 128  # greedy sequences of the first distillation round
+    refine: Refine | None = None
 
     @property
     def target(self) -> str:
@@ -49,7 +62,8 @@ PAIRS = {
                  {"kind": "dense", "hidden_size": 384, "num_hidden_layers": 16, "num_attention_heads": 6,
                   "num_key_value_heads": 2, "intermediate_size": 1024},
                  {"num_hidden_layers": 1, "intermediate_size": 1024, "target_layer_ids": [1, 5, 9, 12, 15]},
-                 45.0, 8.0, 30.0, greedy_share=0.75),
+                 45.0, 8.0, 30.0, greedy_share=0.75, distill_sequences=384,
+                 refine=Refine(minutes=40.0, seq_len=192, sequences=1024, seed=1, greedy_share=0.75)),
     "moe": Pair("moe", {"kind": "moe"},
                 {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
                 10.0, 7.0, 0.0),
@@ -93,7 +107,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                            "greedy continuations mixed with real text")
         _common(p)
         _target_args(p, "", pair.distill_minutes or 5.0, 1e-3)
-        p.add_argument("--sequences", type=int, default=128, help="greedy sequences to generate (default 128)")
+        p.add_argument("--sequences", type=int, default=pair.distill_sequences,
+                       help=f"greedy sequences to generate (default {pair.distill_sequences})")
         p.add_argument("--greedy-share", type=float, default=pair.greedy_share,
                        help=f"share of batches from the greedy sequences (default {pair.greedy_share})")
         p.add_argument("--seq-len", type=int, default=SEQ_LEN,
@@ -111,6 +126,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("pair", choices=sorted(PAIRS))
     p.add_argument("--profile", required=True, help="cost_table.json from `dcut profile` of the pair")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p = sub.add_parser("calibration", help="a pair's drafter confidence against acceptance per position "
+                       "(full-width verification through `dcut generate`), into the model cards")
+    _common(p)
+    p.add_argument("pair", choices=sorted(PAIRS))
+    p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p = sub.add_parser("reasoning", help="the reasoning pair for SpecExit (issue 13): addition traces, tokenizer, "
                        "target, DFlash drafter, signal head, vLLM check and cards; finished stages are skipped")
@@ -130,7 +151,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         _target_args(p, f"{kind}-distill-", pair.distill_minutes, 1e-3)
     p.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=list(PAIRS),
                    help="pairs to build, in order (default: all)")
-    p.add_argument("--sequences", type=int, default=128, help="greedy sequences per drafter fine-tune")
+    p.add_argument("--sequences", type=int, help="greedy sequences of each pair's first drafter fine-tune "
+                   "(default: the pair's, as `<kind>-drafter-distill`)")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -258,6 +280,30 @@ def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts:
     return record
 
 
+def measure_calibration(out: Path, runs: Path, kind: str, batch_size: int, max_tokens: int) -> dict:
+    """Reliability of the drafter's confidence (`Calibrator.reliability`) with every draft verified, so
+    every reached position is observed; saved as ``runs/calibration-<target>.json`` for the cards."""
+    from dcut.cli import CommandError
+    from dcut.settings import engine_env
+
+    tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
+    args = ["generate", "--model", str(out / tname), "--draft", str(out / dname), "--mode", "full",
+            "--prompts", str(out / "heldout_prompts.jsonl"), "--batch-size", str(batch_size),
+            "--max-tokens", str(max_tokens), "--json"]
+    proc = subprocess.run([sys.executable, "-m", "dcut.cli", *args], env={**os.environ, **engine_env()},
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise CommandError(f"dcut generate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_width = result.get("calibration") or {}
+    if not by_width:
+        raise CommandError("dcut generate reported no calibration (is the drafter one D-Cut reads?)")
+    record = {"command": shlex.join(["dcut", *args]), "batch_size": batch_size,
+              "max_tokens": max_tokens, **by_width[max(by_width, key=int)]}
+    (runs / f"calibration-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
 def train_reasoning(out: Path, runs: Path, args) -> None:
     """The reasoning pair's stages in order, each skipped when finished, up to ``args.until``."""
     from dcut.train import cards as C
@@ -366,6 +412,9 @@ def run(args) -> int:
     elif stage == "regime":
         measure_regime(out, runs, args.pair, Path(args.profile), args.num_prompts, args.max_tokens)
         C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
+    elif stage == "calibration":
+        measure_calibration(out, runs, args.pair, args.batch_size, args.max_tokens)
+        C.write_cards(out, runs, (PAIRS[args.pair].target, PAIRS[args.pair].drafter), command)
     elif stage == "reasoning":
         train_reasoning(out, runs / "reasoning", args)
     elif stage == "all":
@@ -383,7 +432,13 @@ def run(args) -> int:
                 P.stage_drafter_distill(dname, tname, out, runs,
                                         _budget(a[f"{kind}_distill_minutes"], a[f"{kind}_distill_steps"],
                                                 a[f"{kind}_distill_lr"], drafter=True), args.seed,
-                                        n_seqs=args.sequences, greedy_share=PAIRS[kind].greedy_share)
+                                        n_seqs=args.sequences or PAIRS[kind].distill_sequences,
+                                        greedy_share=PAIRS[kind].greedy_share)
+                if (r := PAIRS[kind].refine) is not None:
+                    budget = _budget(r.minutes, a[f"{kind}_distill_steps"], a[f"{kind}_distill_lr"], drafter=True,
+                                     seq_len=r.seq_len)
+                    P.stage_drafter_distill(dname, tname, out, runs, budget, r.seed, n_seqs=r.sequences,
+                                            greedy_share=r.greedy_share)
             if not args.no_verify and not _verify_json(runs, tname, 15).exists():
                 try:
                     verify_pair(out, runs, kind, args.num_prompts, args.max_tokens)

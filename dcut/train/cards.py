@@ -7,11 +7,29 @@ from pathlib import Path
 
 from dcut.train import reasoning as R
 from dcut.train.data import LICENCE
+from dcut.train.pipeline import DISTILL_PROMPT_LEN, distill_rounds
 
-CALIBRATION_PLACEHOLDER = (
-    "<!-- dcut:calibration -->\n"
-    "**Calibration / reliability:** _placeholder — to be filled in by the plugin's `dcut generate`._\n"
-)
+
+def _calibration_section(runs: Path, target: str) -> str:
+    """Reliability of the drafter's confidence per position (`dcut train calibration`), or how to measure it."""
+    path = runs / f"calibration-{target}.json"
+    if not path.exists():
+        return "**Calibration / reliability:** not measured yet (`dcut train calibration <pair>`).\n"
+    rec = json.loads(path.read_text())
+
+    def row(values: list) -> str:
+        return ", ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in values)
+
+    return (
+        f"**Calibration / reliability** (measured with `{rec['command']}`: full-width verification, greedy, "
+        f"bs {rec['batch_size']}, {rec['max_tokens']} tokens, held-out prompts; every draft verified, so every "
+        "reached position is observed):\n\n"
+        f"- observations per position 1..{len(rec['observations'])}: {row(rec['observations'])}\n"
+        f"- observed conditional acceptance per position: {row(rec['acceptance_rate'])}\n"
+        f"- expected calibration error of the raw confidence per position: {row(rec['ece_raw'])}\n"
+        "- ECE after D-Cut's online calibration (each prediction scored before its outcome is counted): "
+        f"{row(rec['ece_calibrated'])}\n"
+    )
 
 
 def _size_mb(folder: Path) -> float:
@@ -68,7 +86,7 @@ def _acceptance_section(ver: dict | None) -> str:
 
 
 def _width_line(info: dict) -> str:
-    if not (info.get("vary_width") or (info.get("distill") or {}).get("vary_width")):
+    if not (info.get("vary_width") or any(r.get("vary_width") for r in distill_rounds(info))):
         return ""
     return (" Drafted width varied per block as mode `joint` varies it per step: half the blocks at full "
             "width, the rest uniform over 1..15, each block holding only its `1 + width` slots (`sample_widths`).")
@@ -80,21 +98,24 @@ def _share(distill: dict) -> float:
 
 
 def _distill_line(info: dict) -> str:
-    dd = info.get("distill")
-    if not dd:
-        return ""
+    return "".join(_round_line(dd, again=i > 0) for i, dd in enumerate(distill_rounds(info)))
+
+
+def _round_line(dd: dict, again: bool) -> str:
     ev = dd.get("eval") or {}
     cmd = f" (`{dd['command']}`)" if dd.get("command") else ""
+    seq_len = dd["budget"]["seq_len"]
     return (
-        f"\nThen fine-tuned{cmd} on the target's own greedy continuations: {dd['greedy_sequences']} sequences "
-        f"(64-token real-text prompt + greedy tokens), {_share(dd):.0%} of batches from them, the others "
+        f"\nThen fine-tuned{' again' if again else ''}{cmd} on the target's own greedy continuations: "
+        f"{dd['greedy_sequences']} sequences of {seq_len} tokens ({DISTILL_PROMPT_LEN}-token real-text prompt + "
+        f"{seq_len - DISTILL_PROMPT_LEN} greedy tokens), {_share(dd):.0%} of batches from them, the others "
         f"real text; {dd['steps']} steps, peak lr {dd['budget']['lr']}, {dd['train_seconds'] / 60:.1f} min; "
         f"held-out (real text + unseen greedy sequences) weighted loss {ev.get('heldout_loss', float('nan')):.3f}, "
         f"teacher-forced mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.\n"
     )
 
 
-def target_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str) -> str:
+def target_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str, calibration: str) -> str:
     spec = info["spec"]
     kind = spec["kind"]
     arch = "Qwen3ForCausalLM" if kind == "dense" else "Qwen3MoeForCausalLM"
@@ -130,10 +151,10 @@ about {info['tokens_seen'] / meta['train_tokens']:.1f} epoch); greedy output soo
 also part of why drafts get accepted.
 
 {_acceptance_section(ver)}
-{CALIBRATION_PLACEHOLDER}"""
+{calibration}"""
 
 
-def drafter_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str) -> str:
+def drafter_card(folder: Path, info: dict, meta: dict, ver: dict | None, command: str, calibration: str) -> str:
     d = info["dspec"]
     ev = info.get("eval") or {}
     return f"""# dcut-serve embedded DFlash drafter: `{folder.name}`
@@ -165,7 +186,7 @@ exp(-(k-1)/{info['gamma']:g}).{_width_line(info)}
 mean accepted length {ev.get('heldout_mean_accepted_teacher_forced', 'n/a')}.
 {_distill_line(info)}
 {_acceptance_section(ver)}
-{CALIBRATION_PLACEHOLDER}"""
+{calibration}"""
 
 
 def _regime(runs: Path, target: str) -> str:
@@ -186,12 +207,15 @@ def write_cards(out: Path, runs: Path, pair: tuple[str, str], command: str) -> N
     ver = json.loads(ver_path.read_text()) if ver_path.exists() else None
     regime = _regime(runs, pair[0])
     tgt, drf = out / pair[0], out / pair[1]
+    calibration = _calibration_section(runs, pair[0])
     if (tgt / ".done").exists():
         info = json.loads((tgt / ".done").read_text())
-        (tgt / "README.md").write_text(target_card(tgt, info, meta, ver, info.get("command") or command) + regime)
+        card = target_card(tgt, info, meta, ver, info.get("command") or command, calibration)
+        (tgt / "README.md").write_text(card + regime)
     if (drf / ".done").exists():
         info = json.loads((drf / ".done").read_text())
-        (drf / "README.md").write_text(drafter_card(drf, info, meta, ver, info.get("command") or command) + regime)
+        card = drafter_card(drf, info, meta, ver, info.get("command") or command, calibration)
+        (drf / "README.md").write_text(card + regime)
 
 
 def _reasoning_data(meta: dict) -> str:

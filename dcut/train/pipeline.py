@@ -142,16 +142,26 @@ def stage_drafter(name: str, target_name: str, dspec: M.DrafterSpec, out: Path, 
     return info
 
 
+def distill_rounds(info: dict) -> list[dict]:
+    """A drafter's distillation rounds, oldest first (records before rounds existed hold one dict)."""
+    rounds = info.get("distill") or []
+    return [rounds] if isinstance(rounds, dict) else rounds
+
+
 def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, budget: L.Budget, seed: int,
                           n_seqs: int = 256, gamma: float = 7.0, blocks_per_seq: int = 32,
                           greedy_share: float = 0.5) -> dict:
-    """Fine-tune a trained drafter on a mix of real text and the target's own greedy continuations."""
+    """Fine-tune a trained drafter on a mix of real text and the target's own greedy continuations.
+
+    One round per sequence length, each starting from the weights the previous one left: a second
+    round on shorter sequences puts the anchors where a served request's first tokens are."""
     folder = out / name
     info = json.loads((folder / ".done").read_text())
-    if info.get("distill"):
+    rounds = distill_rounds(info)
+    if any(r["budget"]["seq_len"] == budget.seq_len for r in rounds):
         return info
     target = load_target(out / target_name)
-    data = runs / f"{name}-greedy.npy"
+    data = runs / f"{name}-greedy-{budget.seq_len}.npy"
     if not data.exists():
         t0 = time.time()
         import os
@@ -173,15 +183,16 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
     tokens, held = load_tokens(runs)
     init = M.load_drafter(folder, M.spec_from_hf_config(target.config))
     t0 = time.time()
-    drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill", budget, seed,
+    drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill-{budget.seq_len}",
+                                     budget, seed,
                                      gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init,
                                      greedy_share=greedy_share)
     M.save_drafter(drafter, folder)
-    info["distill"] = {"greedy_sequences": int(len(greedy)), "vary_width": state.get("vary_width", False),
-                       "greedy_share": greedy_share, "command": _argv_command(),
-                       "steps": state["step"],
-                       "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
-                       "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}
+    info["distill"] = [*rounds, {
+        "greedy_sequences": int(len(greedy)), "vary_width": state.get("vary_width", False),
+        "greedy_share": greedy_share, "command": _argv_command(), "seed": seed, "steps": state["step"],
+        "train_seconds": round(state["elapsed"], 1), "wall_seconds": round(time.time() - t0, 1),
+        "budget": asdict(budget), "history": state["history"], "eval": state.get("eval")}]
     for stale in runs.glob(f"verify-{target_name}*.json"):  # measured with the drafter before this fine-tune
         stale.unlink()
     _mark_done(folder, info)
