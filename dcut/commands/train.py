@@ -272,9 +272,10 @@ def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts:
     machine = machine_info()
     source = (f"Costs: `{profile}` (the engine's own dummy steps, `dcut profile`); live plain decoding step: "
               f"`python -m dcut.train.regime` (vLLM's default compilation, prefill excluded: "
-              f"(T({R.LONG} tokens) - T({R.SHORT} tokens)) / {R.LONG - R.SHORT}); acceptance: "
-              f"`python -m dcut.train.verify -k W`, greedy, {num_prompts} held-out prompts × {max_tokens} tokens, "
-              f"bs 8; machine: {machine['cpu']} ({machine['cores']} cores).")
+              f"(T({R.LONG} tokens) - T({R.SHORT} tokens)) / {R.LONG - R.SHORT}, median of {R.REPEATS} after a "
+              f"warm-up); "
+              f"acceptance: `python -m dcut.train.verify -k W`, greedy, {num_prompts} held-out prompts × "
+              f"{max_tokens} tokens, bs 8; machine: {machine['cpu']} ({machine['cores']} cores).")
     record = {"rows": rows, "acceptance": acceptance, "source": source, "in_regime": R.in_regime(rows)}
     (runs / f"regime-{tname}.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

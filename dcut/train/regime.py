@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -16,27 +17,33 @@ from dcut.prompts import load_prompts
 BATCH_SIZES = (1, 16, 64)
 WIDTHS = (1, 3, 7, 15)
 SHORT, LONG = 8, 72  # decode lengths whose difference times LONG - SHORT pure decode steps
+REPEATS = 3  # timed (SHORT, LONG) pairs per batch size, after one warm-up pair
 
 
-def plain_decode_steps(target: str, prompts: list[str], batch_sizes=BATCH_SIZES) -> dict[int, float]:
+def plain_decode_steps(target: str, prompts: list[str], batch_sizes=BATCH_SIZES,
+                       repeats: int = REPEATS) -> dict[int, float]:
     """Live plain decoding step (ms) per batch size, prefill excluded: the same batch generates SHORT
     and LONG tokens (greedy, EOS ignored) on an engine at vLLM's default compilation; prefill and
-    start-up cancel in the difference, ``(T_long - T_short) / (LONG - SHORT)``. Run in a ``__main__``."""
+    start-up cancel in the difference, ``(T_long - T_short) / (LONG - SHORT)``, the median of
+    ``repeats`` pairs after one warm-up pair (one pair swings by a third on a shared VM).
+    Run in a ``__main__``."""
     from vllm import SamplingParams
 
     from dcut.train.verify import check_engine
 
     llm = check_engine(target, max_num_seqs=max(batch_sizes), eager=False)
+
+    def timed(batch: list[str], n: int) -> float:
+        start = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - start
+
     out = {}
     for bs in batch_sizes:
         batch = (prompts * bs)[:bs]
-        times = {}
-        for n in (SHORT, LONG, SHORT, LONG):  # the first pair warms the batch shape up
-            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-            start = time.perf_counter()
-            llm.generate(batch, params, use_tqdm=False)
-            times[n] = time.perf_counter() - start
-        out[bs] = 1000.0 * (times[LONG] - times[SHORT]) / (LONG - SHORT)
+        timed(batch, SHORT), timed(batch, LONG)  # warms the batch shape up
+        steps = [(timed(batch, LONG) - timed(batch, SHORT)) / (LONG - SHORT) for _ in range(repeats)]
+        out[bs] = 1000.0 * statistics.median(steps)
     return out
 
 
