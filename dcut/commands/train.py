@@ -62,7 +62,7 @@ PAIRS = {
                  {"kind": "dense", "hidden_size": 384, "num_hidden_layers": 16, "num_attention_heads": 6,
                   "num_key_value_heads": 2, "intermediate_size": 1024},
                  {"num_hidden_layers": 1, "intermediate_size": 1024, "target_layer_ids": [1, 5, 9, 12, 15]},
-                 45.0, 8.0, 30.0, greedy_share=0.75, distill_sequences=384,
+                 40.0, 8.0, 30.0, greedy_share=0.75, distill_sequences=384,
                  refine=Refine(minutes=40.0, seq_len=192, sequences=1024, seed=1, greedy_share=0.75)),
     "moe": Pair("moe", {"kind": "moe"},
                 {"num_hidden_layers": 2, "intermediate_size": 768, "target_layer_ids": [0, 1, 2, 3]},
