@@ -91,6 +91,15 @@ def _target_args(p, prefix: str, minutes: float, lr: float) -> None:
     p.add_argument(f"--{prefix}lr", type=float, default=lr)
 
 
+def _pair_stage(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A stage that measures one pair with a vLLM engine and writes its cards."""
+    p = sub.add_parser(name, help=help)
+    _common(p)
+    p.add_argument("pair", choices=sorted(PAIRS))
+    p.add_argument("--max-tokens", type=int, default=128)
+    return p
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
     p = sub.add_parser("tokenizer", help="tokenize the stdlib split, train the BPE, write held-out prompts")
@@ -114,25 +123,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--seq-len", type=int, default=SEQ_LEN,
                        help=f"tokens per sequence, a 64-token prompt then the target's greedy tokens (default "
                        f"{SEQ_LEN}); shorter puts the anchors where a served request's first tokens are")
-    p = sub.add_parser("verify", help="load a pair in vLLM, compare greedy output with/without DFlash, "
-                       "measure acceptance, write the model cards")
-    _common(p)
-    p.add_argument("pair", choices=sorted(PAIRS))
+    p = _pair_stage(sub, "verify", "load a pair in vLLM, compare greedy output with/without DFlash, "
+                    "measure acceptance, write the model cards")
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p = sub.add_parser("regime", help="a pair's cost regime (engine-profiled costs, live plain steps) and "
-                       "acceptance per position at widths 1/3/7/15, into the model cards")
-    _common(p)
-    p.add_argument("pair", choices=sorted(PAIRS))
+    p = _pair_stage(sub, "regime", "a pair's cost regime (engine-profiled costs, live plain steps) and "
+                    "acceptance per position at widths 1/3/7/15, into the model cards")
     p.add_argument("--profile", required=True, help="cost_table.json from `dcut profile` of the pair")
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p = sub.add_parser("calibration", help="a pair's drafter confidence against acceptance per position "
-                       "(full-width verification through `dcut generate`), into the model cards")
-    _common(p)
-    p.add_argument("pair", choices=sorted(PAIRS))
+    p = _pair_stage(sub, "calibration", "a pair's drafter confidence against acceptance per position "
+                    "(full-width verification through `dcut generate`), into the model cards")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
     p = sub.add_parser("reasoning", help="the reasoning pair for SpecExit (issue 13): addition traces, tokenizer, "
                        "target, DFlash drafter, signal head, vLLM check and cards; finished stages are skipped")
     _common(p)
@@ -242,24 +242,32 @@ def verify_pair(out: Path, runs: Path, kind: str, num_prompts: int, max_tokens: 
     return res
 
 
+def _run_module(module: str, args: list[str], what: str) -> str:
+    """``python -m module args`` with the engine environment (vLLM needs a ``__main__``); its stdout."""
+    from dcut.cli import CommandError
+    from dcut.settings import engine_env
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], env={**os.environ, **engine_env()},
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise CommandError(f"{what} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
 def measure_regime(out: Path, runs: Path, kind: str, profile: Path, num_prompts: int, max_tokens: int) -> dict:
     """Cost figures from the pair's profile and live plain decoding steps, acceptance at widths 1/3/7/15
     (15 from the pair's verification); saved as ``runs/regime-<target>.json`` for the cards."""
     from dcut.cli import CommandError
     from dcut.cost_table import CostTable
     from dcut.machine import machine_info
-    from dcut.settings import engine_env
     from dcut.train import regime as R
 
     if not profile.exists():
         raise CommandError(f"{profile} not found")
     tname = PAIRS[kind].target
     steps_json = runs / f"plain-steps-{tname}.json"
-    cmd = [sys.executable, "-m", "dcut.train.regime", "--target", str(out / tname), "--prompts",
-           str(out / "heldout_prompts.jsonl"), "--json", str(steps_json)]
-    proc = subprocess.run(cmd, env={**os.environ, **engine_env()}, capture_output=True, text=True)
-    if proc.returncode:
-        raise CommandError(f"plain decoding steps failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    _run_module("dcut.train.regime", ["--target", str(out / tname), "--prompts", str(out / "heldout_prompts.jsonl"),
+                                      "--json", str(steps_json)], "plain decoding steps")
     plain = {int(bs): ms for bs, ms in json.loads(steps_json.read_text()).items()}
     rows = R.cost_figures(CostTable.load(profile), plain)
     acceptance = {}
@@ -285,17 +293,12 @@ def measure_calibration(out: Path, runs: Path, kind: str, batch_size: int, max_t
     """Reliability of the drafter's confidence (`Calibrator.reliability`) with every draft verified, so
     every reached position is observed; saved as ``runs/calibration-<target>.json`` for the cards."""
     from dcut.cli import CommandError
-    from dcut.settings import engine_env
 
     tname, dname = PAIRS[kind].target, PAIRS[kind].drafter
     args = ["generate", "--model", str(out / tname), "--draft", str(out / dname), "--mode", "full",
             "--prompts", str(out / "heldout_prompts.jsonl"), "--batch-size", str(batch_size),
             "--max-tokens", str(max_tokens), "--json"]
-    proc = subprocess.run([sys.executable, "-m", "dcut.cli", *args], env={**os.environ, **engine_env()},
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise CommandError(f"dcut generate failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(_run_module("dcut.cli", args, "dcut generate").strip().splitlines()[-1])
     by_width = result.get("calibration") or {}
     if not by_width:
         raise CommandError("dcut generate reported no calibration (is the drafter one D-Cut reads?)")

@@ -184,9 +184,8 @@ def stage_drafter_distill(name: str, target_name: str, out: Path, runs: Path, bu
     init = M.load_drafter(folder, M.spec_from_hf_config(target.config))
     t0 = time.time()
     drafter, state = L.train_drafter(target, init.dspec, tokens, held, runs / f"{name}-distill-{budget.seq_len}",
-                                     budget, seed,
-                                     gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy, init=init,
-                                     greedy_share=greedy_share)
+                                     budget, seed, gamma=gamma, blocks_per_seq=blocks_per_seq, greedy=greedy,
+                                     init=init, greedy_share=greedy_share)
     M.save_drafter(drafter, folder)
     info["distill"] = [*rounds, {
         "greedy_sequences": int(len(greedy)), "vary_width": state.get("vary_width", False),
