@@ -17,6 +17,8 @@ COMMANDS = {
     "sweep": "dcut.commands.sweep",
     "specexit": "dcut.commands.specexit",
     "train": "dcut.commands.train",
+    "trace": "dcut.commands.trace",
+    "replay": "dcut.commands.replay",
 }
 
 

@@ -211,11 +211,17 @@ class CostTable:
             return
         plain = verify_tokens <= bs
         predicted = self.lookup(bs, verify_tokens)
+        if predicted is None or predicted <= 0.0:
+            return
         sample = min(max(ms, 0.5 * predicted), 2.0 * predicted)
         offsets = self.plain_offsets if plain else self.offsets
         offset, n = offsets.get(cover, (0.0, 0))
         w = max(weight, 1.0 / (n + 1))
-        offsets[cover] = (offset + w * (sample - predicted), n + 1)
+        # A shift may lower the row at most to half its cheapest point: every cost stays positive. (Without
+        # this floor, a row whose profile has one slow point was shifted below zero at its other points, and
+        # the clip above, taken around a negative prediction, then pushed the offset down without bound.)
+        floor = -0.5 * self.points[cover][0][1]
+        offsets[cover] = (max(offset + w * (sample - predicted), floor), n + 1)
         for key in [key for key in self._dense if key[0] == cover]:
             del self._dense[key]
 

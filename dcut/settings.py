@@ -63,6 +63,11 @@ class DCutSettings(BaseModel):
     profile_repeats: int = Field(3, ge=1)
     refine: bool = Field(True, description="Refine the cost table from timed live steps.")
     stats_window: int = Field(512, ge=1, description="How many recent steps the stats ring keeps.")
+    # Recording (dcut.trace)
+    trace: str | None = Field(None, description="Record a replay trace into this folder (dcut.trace): every "
+                              "draft is verified, so each request's true accepted length is known; the drafted "
+                              "width rotates over trace_widths, one per step. A measurement mode: it decides nothing.")
+    trace_widths: list[int] = Field([1, 3, 7, 15], description="Widths a trace rotates over (those <= K).")
 
     @model_validator(mode="after")
     def _sizes_positive(self) -> DCutSettings:
@@ -70,6 +75,8 @@ class DCutSettings(BaseModel):
             raise ValueError("profile_batch_sizes must all be >= 1")
         if self.widths is not None and (not self.widths or any(w < 0 for w in self.widths)):
             raise ValueError("widths must be a non-empty list of integers >= 0")
+        if not self.trace_widths or any(w < 1 for w in self.trace_widths):
+            raise ValueError("trace_widths must be a non-empty list of integers >= 1")
         return self
 
 

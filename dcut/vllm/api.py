@@ -28,6 +28,15 @@ def reset_stats(llm: Any) -> None:
     llm.collective_rpc("dcut_reset_stats")
 
 
+def save_trace(llm: Any) -> str | None:
+    """Write the replay trace an engine recorded so far (``DCutSettings.trace``); its path."""
+    return llm.collective_rpc("dcut_save_trace")[0]
+
+
+def clear_trace(llm: Any) -> None:
+    llm.collective_rpc("dcut_clear_trace")
+
+
 async def aread_stats(engine: Any) -> DCutSnapshot | None:
     """As ``read_stats``, for an ``AsyncLLM``."""
     return _snapshot((await engine.collective_rpc("dcut_stats"))[0])

@@ -322,7 +322,8 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
             specexit.on_drafted(req_ids, self.requests, width)
         log_conf = getattr(self.drafter, "dcut_log_conf", None) if torch.is_tensor(drafts) and width else None
         num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
-        state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft)
+        context = None if state.tracer is None else self.input_batch.num_tokens_no_spec[:len(req_ids)].tolist()
+        state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft, context)
         return drafts
     return propose_draft_token_ids
 

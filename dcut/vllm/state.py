@@ -20,8 +20,10 @@ drafter's forward has collectives), so the patch hands rank 0's choice to the ot
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource, DCutSnapshot, Overhead, ThroughputEstimate, Totals, WindowSummary
 from dcut.telemetry import StepRecord, StepWindow, throughput_by_batch_size
+from dcut.trace import TraceWriter
 from dcut.vllm import metrics
 from dcut.vllm.engine import additional_settings
 from dcut.width import (
@@ -102,8 +105,11 @@ def settings_from_config(vllm_config: Any) -> DCutSettings | None:
 class RunnerDCut:
     """D-Cut attached to one model runner."""
 
-    def __init__(self, settings: DCutSettings, fingerprint: Fingerprint, k: int) -> None:
+    def __init__(self, settings: DCutSettings, fingerprint: Fingerprint, k: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock``: seconds, monotonic; replay (``dcut.replay``) drives the runner on a simulated one."""
         self.settings = settings
+        self._clock = clock
         self.fingerprint = fingerprint
         self.k = k
         self.joint = settings.mode == "joint"
@@ -135,6 +141,10 @@ class RunnerDCut:
         self.probe = False
         self._held: int | None = None  # the width hysteresis holds on to
         self._last_log = time.monotonic()
+        self._gap_ms: float | None = None  # the engine's time between the last drafting pass and this step
+        self.tracer = TraceWriter(k, {"fingerprint": fingerprint.model_dump(), "k": k}) if settings.trace else None
+        self.trace_widths = [w for w in settings.trace_widths if w <= k] or [k]
+        self._trace_turn = 0
 
     # -- cost table ------------------------------------------------------------------------
     def cache_path(self) -> Path:
@@ -172,9 +182,9 @@ class RunnerDCut:
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
-        self._step_start = time.perf_counter()
+        self._step_start = self._clock()
         if self._draft_end is not None:
-            gap_ms = (self._step_start - self._draft_end) * 1000.0
+            gap_ms = self._gap_ms = (self._step_start - self._draft_end) * 1000.0
             self.overhead.add(self._emitted, gap_ms)
             if self._cycle is not None:
                 self._cycle.ms += gap_ms
@@ -191,9 +201,13 @@ class RunnerDCut:
         estimated tokens/s of the whole step over the candidate widths (``dcut.width``), holds on
         to its last choice within the hysteresis, and now and then probes another width.
         """
-        self._draft_start = time.perf_counter()
+        self._draft_start = self._clock()
         self._verify_ms = (self._draft_start - self._step_start) * 1000.0
         self.width, self.probe = scheduled_width, False
+        if self.tracer is not None:  # recording: every width in turn, each verified in full
+            self.width = self.trace_widths[self._trace_turn % len(self.trace_widths)]
+            self._trace_turn += 1
+            return self.width
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
             return self.width
@@ -221,9 +235,10 @@ class RunnerDCut:
         return None if verify is None or draft is None else verify + draft + float(self.overhead.ms(bs * (1 + width)))
 
     def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
-                   num_draft_tokens: list[int] | None) -> None:
-        """Decide keep depths for fresh drafts ``[bs, W]``; note the just-verified outcome."""
-        self._draft_end = time.perf_counter()
+                   num_draft_tokens: list[int] | None, context_lens: list[int] | None = None) -> None:
+        """Decide keep depths for fresh drafts ``[bs, W]``; note the just-verified outcome.
+        ``context_lens``: each request's tokens so far (recorded in a trace)."""
+        self._draft_end = self._clock()
         self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
         self._draft_start = None
         bucket = None if self.cost_table is None else self.cost_table.covering(len(req_ids))
@@ -240,11 +255,13 @@ class RunnerDCut:
                                        self._last.width)
         else:
             self._verified = None
+        if self.tracer is not None:
+            self._trace(req_ids, log_conf, context_lens)
         if log_conf is None or log_conf.shape[-1] == 0:
             self._pending = None
             return
-        start = time.perf_counter()
-        if self.probe or self.settings.mode == "full":
+        start = self._clock()
+        if self.probe or self.settings.mode == "full" or self.tracer is not None:
             self._pending = _Pending(None, None, log_conf, 0.0)
             return
         calibrator = self.calibrators.get(log_conf.shape[-1])
@@ -252,7 +269,27 @@ class RunnerDCut:
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
                                                              float(self.overhead.ms(log_conf.shape[0])))
         keep, decision = select(scored, self.settings, cost)
-        self._pending = _Pending(keep, decision, log_conf, (time.perf_counter() - start) * 1e6)
+        self._pending = _Pending(keep, decision, log_conf, (self._clock() - start) * 1e6)
+
+    def _trace(self, req_ids: list[str], log_conf: Tensor | None, context_lens: list[int] | None) -> None:
+        """Record this drafting pass, and what verification showed of the last one."""
+        assert self.tracer is not None
+        v = self._verified
+        if v is not None:
+            self.tracer.verified(v.req_ids, v.num_draft.tolist(), v.accepted.tolist())
+        conf = None if log_conf is None or log_conf.shape[-1] == 0 else log_conf.float().cpu().numpy()
+        self.tracer.step(req_ids, context_lens or [0] * len(req_ids), self.width if conf is not None else 0, conf,
+                         self._verify_ms, self._draft_ms, self._gap_ms)
+        if len(self.tracer) % 256 == 0:
+            self.save_trace()
+
+    def save_trace(self) -> Path | None:
+        """Write the trace recorded so far to ``<trace>/trace-<fingerprint>-<pid>.npz``; its path."""
+        if self.tracer is None or self.settings.trace is None:
+            return None
+        path = Path(self.settings.trace) / f"trace-{self.fingerprint.key()}-{os.getpid()}.npz"
+        self.tracer.save(path)
+        return path
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """Truncate each request's drafts to its keep depth; record the step."""
@@ -261,7 +298,7 @@ class RunnerDCut:
         if pending is not None and pending.keep is not None and len(drafts) == pending.keep.shape[0]:
             depths = pending.keep.tolist()
             drafts = [d[:n] for d, n in zip(drafts, depths, strict=True)]
-        step_ms = (time.perf_counter() - self._step_start) * 1000.0
+        step_ms = (self._clock() - self._step_start) * 1000.0
         self._record(pending, verified, step_ms)
         self._last = None
         if pending is not None:

@@ -24,6 +24,17 @@ class DCutWorkerExtension:
         if state is not None:
             state.reset_stats()
 
+    def dcut_save_trace(self) -> str | None:
+        """Write the replay trace recorded so far (``DCutSettings.trace``); its path, None when not tracing."""
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        path = None if state is None else state.save_trace()
+        return None if path is None else str(path)
+
+    def dcut_clear_trace(self) -> None:
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        if state is not None and state.tracer is not None:
+            state.tracer.clear()
+
     def dcut_specexit_stats(self) -> dict[str, Any] | None:
         """SpecExit's counters and settings (``dcut.vllm.specexit.RunnerSpecExit.stats``); None when off."""
         state = runner_specexit(self.model_runner)  # type: ignore[attr-defined]

@@ -178,3 +178,15 @@ def test_profile_times_draft_widths() -> None:
                            progress=False, run_draft=lambda bs, w: calls.append(("d", bs, w)), widths=[0, 3])
     assert ("d", 2, 0) in calls and ("d", 2, 3) in calls
     assert sorted(t.draft[2]) == [0, 3]
+
+
+def test_refine_never_drives_a_row_below_zero() -> None:
+    # A profile with one slow point (a stall while profiling): live steps far cheaper than it must not
+    # shift the row below zero at its cheap points, where a clip around a negative prediction diverged.
+    fp = Fingerprint(hardware="h", model="m", k=15)
+    table = CostTable(fp, {64: [(64, 13.0, 3), (256, 1400.0, 3), (1024, 1400.0, 3)]})
+    for _ in range(2000):
+        table.refine(64, 200, 90.0)
+        table.refine(64, 70, 14.0)
+    assert table.offsets[64][0] >= -6.5
+    assert all(table.lookup(64, t) > 0 for t in (64, 65, 128, 256, 1024))

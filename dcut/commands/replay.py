@@ -1,0 +1,49 @@
+"""dcut replay: every decision policy on recorded or synthetic traces against cost models, deterministically."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dcut.cli import CommandError
+
+HELP = "Replay policies (ours, other engines' rules, the oracle) on traces and cost models; write docs/replay."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from dcut.replay.cases import CASES
+
+    parser.add_argument("--case", action="append", choices=sorted(CASES),
+                        help="a built-in case (repeatable; default: all of them)")
+    parser.add_argument("--trace", help="a custom case: trace .npz file or folder of them (with --costs)")
+    parser.add_argument("--costs", help="a custom case: cost model / cost table JSON (with --trace)")
+    parser.add_argument("--bs", help="batch sizes of a custom case, e.g. 1,4,16,64 (default: the cost model's)")
+    parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
+    parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
+    parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
+    parser.add_argument("--json", action="store_true", help="print the report JSON to stdout too")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dcut.replay.cases import CASES, custom_case
+    from dcut.replay.write import write_report
+
+    torch.set_num_threads(1)  # tiny tensors; one thread is faster and the figures cannot depend on it
+    if args.steps < 1 or args.warmup < 0:
+        raise CommandError("--steps must be >= 1 and --warmup >= 0")
+    if (args.trace is None) != (args.costs is None):
+        raise CommandError("--trace and --costs go together")
+    try:
+        if args.trace is not None:
+            cases = [custom_case(Path(args.trace), Path(args.costs), args.bs)]
+        else:
+            cases = [CASES[name]() for name in (args.case or sorted(CASES))]
+    except (OSError, ValueError, KeyError) as e:
+        raise CommandError(str(e)) from e
+    report = write_report(cases, Path(args.out), args.steps, args.warmup)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,92 @@
+"""Cost models for replay: the engine's two-part cost table plus the engine's time outside the model.
+
+A cost model is the cost-table JSON the engine uses (``dcut.cost_table.CostTable.to_json``: verify
+cost by batch size and verify tokens, drafter cost by batch size and width) with two extra keys the
+engine ignores: ``overhead`` (``{"per_step_ms", "per_token_ms"}``: the engine's work outside the
+model, per step and per emitted token) and ``plain`` (``{bs: ms}``, optional: a step of an engine
+with no drafter at all; when absent, the verify cost of ``bs`` tokens) and ``notes`` (how it was made).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dcut.cost_table import CostTable
+
+
+@dataclass
+class CostModel:
+    """What a step costs in a replay (ms)."""
+
+    name: str
+    table: CostTable
+    per_step_ms: float = 0.0
+    per_token_ms: float = 0.0
+    plain_ms: dict[int, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def verify(self, bs: int, tokens: int) -> float:
+        """The target's step verifying ``tokens`` (bs anchors + kept drafts) for ``bs`` requests."""
+        cost = self.table.lookup(bs, tokens)
+        if cost is None:
+            raise ValueError(f"cost model {self.name} does not cover batch size {bs}")
+        return cost
+
+    def draft(self, bs: int, width: int) -> float:
+        """The drafter's pass at ``width`` (0: keeping the drafter in sync without drafting)."""
+        cost = self.table.draft_cost(bs, width)
+        if cost is None:
+            raise ValueError(f"cost model {self.name} has no drafter cost at batch size {bs}")
+        return cost
+
+    def plain(self, bs: int) -> float:
+        """A step of plain decoding (no drafter in the engine), overhead excluded."""
+        cover = self.table.covering(bs)
+        if cover is not None and cover in self.plain_ms:
+            return self.plain_ms[cover]
+        return self.verify(bs, bs)
+
+    def overhead(self, tokens: float) -> float:
+        """The engine's time outside the model for a step emitting ``tokens``."""
+        return self.per_step_ms + self.per_token_ms * tokens
+
+    def batch_sizes(self) -> list[int]:
+        return sorted(self.table.points)
+
+    def to_json(self) -> dict[str, Any]:
+        data = self.table.to_json()
+        data["name"] = self.name
+        data["overhead"] = {"per_step_ms": self.per_step_ms, "per_token_ms": self.per_token_ms}
+        data["plain"] = {str(b): ms for b, ms in sorted(self.plain_ms.items())}
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], name: str | None = None) -> CostModel:
+        overhead = data.get("overhead") or {}
+        # Monotone in tokens as the engine's profiled tables are (raw medians of a noisy run may not be).
+        return cls(name or data.get("name") or data["fingerprint"]["model"], CostTable.from_json(data).smoothed(),
+                   float(overhead.get("per_step_ms", 0.0)), float(overhead.get("per_token_ms", 0.0)),
+                   {int(b): float(ms) for b, ms in (data.get("plain") or {}).items()}, list(data.get("notes", [])))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, name: str | None = None) -> CostModel:
+        return cls.from_json(json.loads(Path(path).read_text()), name)
+
+
+def linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with both terms kept non-negative."""
+    if len(x) >= 2 and np.ptp(x) > 0:
+        b, a = np.polyfit(x, y, 1)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    return 0.0, float(np.median(y / np.maximum(x, 1e-9)))

@@ -1,0 +1,218 @@
+"""The replay loop: a steady batch of ``bs`` requests stepped through a trace under one policy.
+
+Step n verifies what step n-1 kept (each request accepts ``min(true accepted, kept)`` and emits one
+more token), then the policy chooses a width, the trace supplies that width's drafts, and the
+policy keeps a prefix of each request's drafts. The step costs ``verify(bs, bs + kept) +
+draft(bs, width) + overhead(emitted)`` on the cost model (a plain step, no drafter, for ``none``).
+
+Draws are common to every policy: request slot i at step n reads row ``(n * bs + i) mod pool`` of the
+pool of the width it drafted, so two policies drafting the same width at the same step see the same
+drafts, and a difference between their figures is a difference between their decisions.
+
+The project's own policies run as they do in an engine: ``RunnerPolicy`` drives the runner
+(``dcut.vllm.state.RunnerDCut``: width choice, probes, realized rates, calibration, selection, cost
+refinement) on a simulated clock that advances by the modelled times, so what it measures is what
+the cost model says.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dcut.replay.costs import CostModel
+from dcut.replay.policy import Policy, Verified
+from dcut.settings import DCutSettings
+from dcut.trace import Trace
+
+
+class Pools:
+    """Each width's rows of a trace: what replay draws a request's drafts and true acceptance from."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.k = trace.k
+        self._pools = {w: trace.pool(w) for w in trace.widths()}
+        if not self._pools:
+            raise ValueError("the trace holds no fully verified rows")
+
+    @property
+    def widths(self) -> list[int]:
+        return sorted(self._pools)
+
+    def mean_accepted(self, width: int) -> float:
+        return float(self._pools[width][1].mean())
+
+    def rows(self, width: int, step: int, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(log_conf [bs, width], accepted [bs])`` for request slots 0..bs-1 at ``step``."""
+        if width == 0:
+            return np.zeros((bs, 0)), np.zeros(bs, dtype=np.int64)
+        conf, accepted = self._pools[width]
+        index = (step * bs + np.arange(bs)) % len(accepted)
+        return conf[index], accepted[index]
+
+
+class SimClock:
+    """Seconds on the replay's timeline (what ``RunnerDCut`` reads instead of ``perf_counter``)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1000.0
+
+
+@dataclass
+class Cell:
+    """One policy at one batch size: what it emitted, in what time, and how it chose."""
+
+    policy: str
+    bs: int
+    steps: int
+    tokens: float
+    ms: float
+    widths: dict[int, int]
+    verified_drafts: int
+    drafted: int
+    predicted_tokens_per_s: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.tokens / self.ms if self.ms > 0 else 0.0
+
+
+def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
+             clock: SimClock | None = None, plain: bool = False) -> Cell:
+    """Replay ``warmup + steps`` steps; the figures count the last ``steps`` (steady state).
+    ``plain``: an engine without a drafter (every step is a plain step)."""
+    clock = clock or SimClock()
+    begin = getattr(policy, "begin", None)
+    kept = np.zeros(bs, dtype=np.int64)
+    true = np.zeros(bs, dtype=np.int64)
+    width_prev, last = 0, None
+    tokens = ms = 0.0
+    widths: Counter[int] = Counter()
+    verified = drafted = 0
+    step_ms = 0.0
+    for n in range(warmup + steps):
+        accepted = np.minimum(true, kept)
+        emitted = bs + int(accepted.sum())
+        if n:  # what this step's verification shows, before the next width is chosen (as in the engine)
+            last = Verified(width_prev, kept, accepted, step_ms)
+        if begin is not None:
+            begin(bs, kept)
+        if plain:
+            verify_ms, draft_ms, w = cost.plain(bs), 0.0, 0
+        else:
+            verify_ms = cost.verify(bs, bs + int(kept.sum()))
+            clock.advance(verify_ms)
+            w = policy.width(bs, last)
+            draft_ms = cost.draft(bs, w)
+            clock.advance(draft_ms)
+        conf, true = pools.rows(w, n, bs)
+        new_kept = np.asarray(policy.keep(conf), dtype=np.int64) if w else np.zeros(bs, dtype=np.int64)
+        step_ms = verify_ms + draft_ms + cost.overhead(emitted)
+        clock.advance(step_ms - verify_ms - draft_ms)
+        if n >= warmup:
+            tokens += emitted
+            ms += step_ms
+            widths[w] += 1
+            verified += int(kept.sum())
+            drafted += bs * w
+        kept, width_prev = np.clip(new_kept, 0, w), w
+    predicted = getattr(policy, "predicted_tokens_per_s", None)
+    return Cell(policy.name, bs, steps, tokens, ms, dict(sorted(widths.items())), verified, drafted,
+                predicted() if callable(predicted) else None)
+
+
+class RunnerPolicy:
+    """The runner an engine runs (``RunnerDCut``), in any of its modes, on the replay's clock."""
+
+    def __init__(self, name: str, settings: DCutSettings, cost: CostModel, k: int, clock: SimClock) -> None:
+        import torch
+
+        from dcut.vllm.state import RunnerDCut
+
+        self._torch = torch
+        self.name = name
+        self.runner = RunnerDCut(settings, cost.table.fingerprint, k, clock=clock)
+        self.runner.cost_table = copy.deepcopy(cost.table)  # it refines its own copy from the steps it times
+        self.runner.cost_source = "given"
+        self.k = k
+        self._ids: list[str] = []
+        self._last: Verified | None = None
+        self._bs = 0
+
+    def begin(self, bs: int, kept: np.ndarray) -> None:
+        self._bs = bs
+        if len(self._ids) != bs:
+            self._ids = [f"r{i}" for i in range(bs)]
+        n = kept.tolist()
+        self.runner.begin_step({r: 1 + d for r, d in zip(self._ids, n, strict=True)},
+                               {r: [0] * d for r, d in zip(self._ids, n, strict=True)})
+
+    def width(self, bs: int, last: Verified | None) -> int:
+        self._last = last
+        return self.runner.choose_width(bs, self.k)
+
+    def keep(self, log_conf: np.ndarray) -> np.ndarray:
+        torch = self._torch
+        bs, w = log_conf.shape
+        last = self._last
+        sampled = num_draft = None
+        if last is not None and last.kept.size == bs:
+            # vLLM's sampled ids: accepted drafts and the bonus token valid, rejected slots -1.
+            cols = np.arange(int(last.kept.max(initial=0)) + 1)
+            sampled = torch.from_numpy(np.where(cols[None, :] <= last.accepted[:, None], 0, -1))
+            num_draft = last.kept.tolist()
+        conf = torch.from_numpy(log_conf.astype(np.float32)) if w else None
+        self.runner.on_drafted(self._ids, conf, sampled, num_draft)
+        drafts = self.runner.cut(self._ids, [[0] * w for _ in range(bs)])
+        return np.asarray([len(d) for d in drafts], dtype=np.int64)
+
+    def predicted_tokens_per_s(self) -> float | None:
+        """What the runner predicts for this batch size at the end of the run (``RunnerDCut.estimates``, the
+        figure autoscaling and routing use), to set beside what the replay measured."""
+        table = self.runner.cost_table
+        cover = None if table is None else table.covering(self._bs)
+        return next((e.tokens_per_s for e in self.runner.estimates() if e.batch_size == cover), None)
+
+
+def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
+    """The best any policy could do on these draws: knowing each request's true acceptance at every
+    width, draft the width that pays best and verify exactly the drafts that will be accepted.
+
+    Maximises total tokens over total time (not each step's rate): Dinkelbach's iteration on
+    ``tokens - rate * ms`` per step converges to the best ratio in a few rounds. Width 0 costs the
+    cheaper of a plain step and a width-0 step, so the oracle is at least ``none``.
+    """
+    widths = [0, *pools.widths]
+    tok = np.zeros((steps, len(widths)))
+    ms = np.zeros((steps, len(widths)))
+    zero = min(cost.plain(bs), cost.verify(bs, bs) + cost.draft(bs, 0))
+    for n in range(steps):
+        for j, w in enumerate(widths):
+            _, accepted = pools.rows(w, warmup + n, bs)
+            tok[n, j] = bs + int(accepted.sum())
+            step = zero if w == 0 else cost.verify(bs, int(tok[n, j])) + cost.draft(bs, w)
+            ms[n, j] = step + cost.overhead(tok[n, j])
+    rate = 0.0
+    for _ in range(50):
+        choice = np.argmax(tok - rate * ms, axis=1)
+        rows = np.arange(steps)
+        new = float(tok[rows, choice].sum() / ms[rows, choice].sum())
+        if math.isclose(new, rate, rel_tol=1e-12):
+            break
+        rate = new
+    hist = Counter(widths[j] for j in choice)
+    kept = int(sum(tok[n, j] - bs for n, j in enumerate(choice)))
+    return Cell("oracle", bs, steps, float(tok[rows, choice].sum()), float(ms[rows, choice].sum()),
+                dict(sorted(hist.items())), kept, int(sum(bs * widths[j] for j in choice)))

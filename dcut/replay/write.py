@@ -1,0 +1,47 @@
+"""Write the replay report: ``replay.json``, ``replay.md`` (a table per case, the paper check, joint's
+widths) and one speedup plot per case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dcut.plots import plot_speedup
+from dcut.replay.paper import paper_check, paper_check_markdown
+from dcut.replay.report import Case, markdown_table, replay_case, summarize
+
+
+def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"steps": steps, "warmup": warmup, "cases": {}}
+    md = [f"# Replay ({steps} measured steps after {warmup} warm-up steps per cell; deterministic)\n"]
+    for case in cases:
+        summary = summarize(case, replay_case(case, steps, warmup))
+        if case.name == "h20-paper":
+            summary["paper_check"] = paper_check(summary)
+        report["cases"][case.name] = summary
+        plot_speedup([{"mode": r["policy"], "bs": r["bs"], "speedup_vs_none": r["speedup_vs_none"]}
+                      for r in summary["rows"] if r["policy"] != "dynamic"],
+                     out / f"{case.name}.png", f"replay: {case.name}")
+        md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.\n",
+               markdown_table(summary), joint_widths_markdown(summary), f"![{case.name}]({case.name}.png)\n"]
+        if "paper_check" in summary:
+            md.append(paper_check_markdown(summary["paper_check"]))
+    (out / "replay.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    (out / "replay.md").write_text("\n".join(md))
+    return report
+
+
+def joint_widths_markdown(summary: dict[str, Any]) -> str:
+    """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice."""
+    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle |", "|---|---|---|---|"]
+    cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
+    for b in summary["batch_sizes"]:
+        j, o = cell[("joint", b)], cell[("oracle", b)]
+        lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _hist(widths: dict[str, int]) -> str:
+    return ", ".join(f"{w}: {n}" for w, n in widths.items())

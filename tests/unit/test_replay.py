@@ -1,0 +1,94 @@
+"""The replay loop (`dcut.replay.simulate`) on hand-made traces and a linear cost model: accounting,
+common draws, the oracle as an upper bound, and the runner replayed deterministically."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcut.cost_table import CostTable, Fingerprint
+from dcut.replay.costs import CostModel
+from dcut.replay.policy import FixedWidth
+from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, oracle, run_cell
+from dcut.settings import DCutSettings
+from dcut.trace import from_rows
+
+K = 4
+SIZES = (1, 2, 4, 8)
+
+
+def linear_cost(base: float = 10.0, per_token: float = 1.0, draft_per_width: float = 0.5,
+                overhead: tuple[float, float] = (1.0, 0.1)) -> CostModel:
+    """verify = base + per_token * tokens; draft = draft_per_width * bs * width."""
+    fp = Fingerprint(hardware="test", model="m", drafter="d", k=K)
+    points = {b: [(t, base + per_token * t, 1) for t in range(b, b * (K + 1) + 1)] for b in SIZES}
+    draft = {b: {w: (draft_per_width * b * w + 0.01, 1) for w in range(K + 1)} for b in SIZES}
+    return CostModel("linear", CostTable(fp, points, draft=draft), *overhead)
+
+
+def trace(rng_seed: int = 0, rows: int = 64):
+    """Widths 1, 2, 4; confidences that rank acceptance well (a request accepts while its confidence > 0.5)."""
+    rng = np.random.default_rng(rng_seed)
+    steps = []
+    for w in (1, 2, 4):
+        p = rng.uniform(0.2, 1.0, size=(rows, w))
+        conf = np.sort(p, axis=1)[:, ::-1]
+        accepted = (conf > 0.5).cumprod(axis=1).sum(axis=1)
+        steps.append({"bs": rows, "width": w, "log_conf": np.log(conf), "accepted": accepted})
+    return from_rows(K, steps)
+
+
+def test_plain_and_fixed_width_accounting():
+    cost, pools = linear_cost(), Pools(trace())
+    none = run_cell(FixedWidth(0), 4, pools, cost, steps=10, warmup=0, plain=True)
+    assert none.tokens == 40 and none.ms == pytest.approx(10 * (10 + 4 + 1 + 0.4))
+    fixed = run_cell(FixedWidth(2), 4, pools, cost, steps=20, warmup=5)
+    _, acc = pools.rows(2, 7, 4)
+    assert fixed.widths == {2: 20} and fixed.verified_drafts == 20 * 8 == fixed.drafted
+    assert fixed.tokens >= 20 * 4 and fixed.tokens_per_s > 0
+    assert acc.shape == (4,)
+
+
+def test_policies_drafting_the_same_width_see_the_same_draws():
+    cost, pools = linear_cost(), Pools(trace())
+    a = run_cell(FixedWidth(4), 2, pools, cost, steps=30, warmup=3)
+    clock = SimClock()
+    b = run_cell(RunnerPolicy("full", DCutSettings(mode="full"), cost, K, clock), 2, pools, cost, 30, 3, clock)
+    assert (a.tokens, a.ms) == (b.tokens, pytest.approx(b.ms))
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def test_the_oracle_bounds_every_policy(bs):
+    cost, pools = linear_cost(), Pools(trace())
+    best = oracle(bs, pools, cost, steps=40, warmup=2)
+    for w in (0, 1, 2, 4):
+        cell = run_cell(FixedWidth(w), bs, pools, cost, 40, 2, plain=w == 0)
+        assert cell.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
+    clock = SimClock()
+    joint = run_cell(RunnerPolicy("joint", DCutSettings(mode="joint", widths=[0, 1, 2, 4]), cost, K, clock),
+                     bs, pools, cost, 40, 2, clock)
+    assert joint.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
+
+
+def test_the_oracle_stops_drafting_when_drafting_is_dear():
+    dear = linear_cost(draft_per_width=100.0)
+    best = oracle(8, Pools(trace()), dear, steps=20, warmup=0)
+    assert best.widths == {0: 20}
+
+
+def test_the_runner_replays_bit_identically():
+    cost, pools = linear_cost(), Pools(trace())
+
+    def once() -> tuple[float, float, dict[int, int]]:
+        clock = SimClock()
+        policy = RunnerPolicy("joint", DCutSettings(mode="joint", widths=[0, 1, 2, 4]), cost, K, clock)
+        cell = run_cell(policy, 4, pools, cost, 60, 10, clock)
+        return cell.tokens, cell.ms, cell.widths
+
+    assert once() == once()
+
+
+def test_a_trace_without_verified_rows_is_refused():
+    t = from_rows(K, [{"bs": 1, "width": 2, "log_conf": [[-0.1, -0.1]], "accepted": [-1]}])
+    with pytest.raises(ValueError, match="no fully verified"):
+        Pools(t)
