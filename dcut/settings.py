@@ -42,9 +42,9 @@ class DCutSettings(BaseModel):
     widths: list[int] | None = Field(None, description="Drafted widths mode=joint may choose (default "
                                      "0,1,2,3,5,7,11,15 capped at K, with K; given: exactly those <= K, "
                                      "so [0] pins width 0).")
-    width_hysteresis: float = Field(0.05, ge=0.0, description="Keep the current width unless another is "
+    width_hysteresis: float = Field(0.02, ge=0.0, description="Keep the current width unless another is "
                                     "estimated this much faster.")
-    probe_share: float = Field(0.02, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
+    probe_share: float = Field(0.01, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
                                "(another width, verified in full) so acceptance stays known where D-Cut "
                                "does not draft or verify.")
     zero_width: ZeroWidth = Field("catch_up", description="How a width-0 step keeps the drafter in sync. "

@@ -5,9 +5,11 @@ more token), then the policy chooses a width, the trace supplies that width's dr
 policy keeps a prefix of each request's drafts. The step costs ``verify(bs, bs + kept) +
 draft(bs, width) + overhead(emitted)`` on the cost model (a plain step, no drafter, for ``none``).
 
-Draws are common to every policy: request slot i at step n reads row ``(n * bs + i) mod pool`` of the
-pool of the width it drafted, so two policies drafting the same width at the same step see the same
-drafts, and a difference between their figures is a difference between their decisions.
+Draws are common to every policy: request slot i at step n reads row ``(i * (pool // bs) + n) mod pool``
+of the pool of the width it drafted, so two policies drafting the same width at the same step see the
+same drafts, and a difference between their figures is a difference between their decisions. Each slot
+walks through consecutive rows from its own starting point: a recorded request's steps are consecutive
+rows, so a slot's acceptance drifts the way a request's does, and slots start far apart in the pool.
 
 The project's own policies run as they do in an engine: ``RunnerPolicy`` drives the runner
 (``dcut.vllm.state.RunnerDCut``: width choice, probes, realized rates, calibration, selection, cost
@@ -52,7 +54,8 @@ class Pools:
         if width == 0:
             return np.zeros((bs, 0)), np.zeros(bs, dtype=np.int64)
         conf, accepted = self._pools[width]
-        index = (step * bs + np.arange(bs)) % len(accepted)
+        n = len(accepted)
+        index = (np.arange(bs) * (n // bs) + step) % n
         return conf[index], accepted[index]
 
 
@@ -118,7 +121,7 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
             draft_ms = cost.draft(bs, w)
             clock.advance(draft_ms)
         conf, true = pools.rows(w, n, bs)
-        new_kept = np.asarray(policy.keep(conf), dtype=np.int64) if w else np.zeros(bs, dtype=np.int64)
+        new_kept = np.asarray(policy.keep(conf), dtype=np.int64)  # at width 0 too: an engine's hooks run every step
         step_ms = verify_ms + draft_ms + cost.overhead(emitted)
         clock.advance(step_ms - verify_ms - draft_ms)
         if n >= warmup:

@@ -41,11 +41,13 @@ from dcut.trace import TraceWriter
 from dcut.vllm import metrics
 from dcut.vllm.engine import additional_settings
 from dcut.width import (
+    OPTIMISM,
+    Explorer,
     ProbeBudget,
     RealizedRates,
     WidthStats,
     choose_width,
-    plausible_widths,
+    marginal_gains,
     position_counts,
     width_utilities,
     widths_for,
@@ -54,6 +56,7 @@ from dcut.width import (
 logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
+POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before it replaces the pooled one
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
 
 
@@ -65,6 +68,7 @@ class _Pending:
     decision: Decision | None
     log_conf: Tensor
     selection_us: float
+    expected: Tensor | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
 
 
 @dataclass
@@ -86,6 +90,8 @@ class _Cycle:
     probe: bool  # a probe verifies everything: a lower bound of what the width delivers under the policy
     ms: float
     clean: bool = False  # the engine went straight on to the next step
+    predicted_tokens: float = 0.0  # what the decision expected the cycle to emit, and to cost (ms)
+    predicted_ms: float = 0.0
 
 
 @dataclass
@@ -117,11 +123,15 @@ class RunnerDCut:
         self.width_stats = WidthStats(self.widths, k)
         self.probes = ProbeBudget(self.widths, settings.probe_share)
         self.realized = RealizedRates()
+        self.explorer = Explorer()
         self._cycle: _Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None
         self.cost_source: CostSource = "pending"
         self.cost_path: str | None = None
         self.calibrators = {w: Calibrator(w) for w in self.widths if w} if settings.calibrate else {}
+        # Mode joint drafts several widths: until a width's own calibrator has seen enough, every width's
+        # outcomes, pooled by position, calibrate it (a width first tried must not be judged on raw scores).
+        self.pooled_calibrator = Calibrator(k) if settings.calibrate and len(self.calibrators) > 1 else None
         self.window = StepWindow(settings.stats_window)
         self.steps = 0
         self._pending: _Pending | None = None
@@ -211,20 +221,31 @@ class RunnerDCut:
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
             return self.width
-        choices = width_utilities(bs, self.widths, self.width_stats.survival(), table.lookup_many,
-                                  table.draft_costs, self.overhead.ms)
         bucket = table.covering(bs)
-        if bucket is not None:
-            choices = self.realized.apply(bucket, choices)
-        chosen = choose_width(choices, self._held, self.settings.width_hysteresis)
-        if chosen is None:  # beyond the cost table: draft everything, the fallback ratio cuts
-            self.width = min(scheduled_width, self.k)
+        model = width_utilities(bs, self.widths, self.width_stats.survival(), table.lookup_many,
+                                table.draft_costs, self.overhead.ms)
+        chosen = None if bucket is None else choose_width(self.realized.apply(bucket, model), self._held,
+                                                          self.settings.width_hysteresis,
+                                                          lambda w: self.realized.noise(bucket, w))
+        if bucket is None or chosen is None:
+            # Beyond what was measured: the cheapest step there is, never the dearest (it used to draft
+            # everything here, and at bs 64 a width pinned to 0 drafted full blocks on 42% of its steps).
+            self.width = self.widths[0]
             return self.width
         self._held = chosen.width
-        samples = None if bucket is None else (lambda w: self.realized.samples(bucket, w))
-        unmeasured = [] if samples is None else [w for w in plausible_widths(choices, chosen)
-                                                 if w != chosen.width and samples(w) < self.realized.min_samples]
-        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples, explore=unmeasured)
+
+        def samples(w: int) -> float:  # fresh requests measured at w
+            return self.realized.fresh(bucket, w) * bucket
+
+        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), table.lookup_many,
+                                  table.draft_costs, self.overhead.ms)
+        step_ms = {c.width: c.step_ms for c in hopeful if c is not None}
+        explore = self.explorer.pick(chosen, self.widths, self.realized.optimistic(bucket, hopeful), samples,
+                                     step_ms.get)
+        if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
+            self.width = explore
+            return self.width
+        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples)
         self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
         return self.width
 
@@ -261,15 +282,22 @@ class RunnerDCut:
             self._pending = None
             return
         start = self._clock()
+        calibrator = self._calibrator(log_conf.shape[-1])
         if self.probe or self.settings.mode == "full" or self.tracer is not None:
-            self._pending = _Pending(None, None, log_conf, 0.0)
+            self._pending = _Pending(None, None, log_conf, 0.0, self._expected(log_conf, calibrator))
             return
-        calibrator = self.calibrators.get(log_conf.shape[-1])
         scored = calibrator.calibrate(log_conf) if calibrator is not None else log_conf
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
                                                              float(self.overhead.ms(log_conf.shape[0])))
         keep, decision = select(scored, self.settings, cost)
-        self._pending = _Pending(keep, decision, log_conf, (self._clock() - start) * 1e6)
+        self._pending = _Pending(keep, decision, log_conf, (self._clock() - start) * 1e6,
+                                 marginal_gains(scored) if self.joint else None)
+
+    def _expected(self, log_conf: Tensor, calibrator: Calibrator | None) -> Tensor | None:
+        """Mode joint: what each further draft per request is worth in this block (``marginal_gains``)."""
+        if not self.joint:
+            return None
+        return marginal_gains(calibrator.calibrate(log_conf) if calibrator is not None else log_conf)
 
     def _trace(self, req_ids: list[str], log_conf: Tensor | None, context_lens: list[int] | None) -> None:
         """Record this drafting pass, and what verification showed of the last one."""
@@ -324,14 +352,19 @@ class RunnerDCut:
             if self.joint:
                 self.width_stats.observe(verified.width, reached_at, accepted_at)
             self._update_calibration(verified)
+        if pending is not None and pending.expected is not None:
+            self.width_stats.observe_scores(pending.log_conf.shape[-1], pending.expected, self._step_bs)
         decision = pending.decision if pending is not None else None
         proposed = int(pending.log_conf.numel()) if pending is not None else 0
         kept = int(decision.kept) if decision is not None else proposed
         bs = self._step_bs
         self._emitted = bs + accepted_total
         c = self._finished_cycle
-        if c is not None and self.joint and c.clean and self._step_shape is not None:  # no prefill in it
-            self.realized.add(c.bucket, c.width, self._emitted, c.ms)
+        # A probe verifies everything, which the policy would not: it teaches acceptance, not the width's rate.
+        if c is not None and self.joint and c.clean and not c.probe and self._step_shape is not None:
+            self.realized.add(c.bucket, c.width, self._emitted, c.ms, c.predicted_tokens, c.predicted_ms)
+        if self.joint and self._cycle is not None and table is not None:
+            self._predict(self._cycle, table, pending, bs)
         self._finished_cycle = None
         record = StepRecord(
             timestamp=time.time(),
@@ -358,6 +391,32 @@ class RunnerDCut:
             self._last_log = time.monotonic()
             self._log_summary()
 
+    def _predict(self, cycle: _Cycle, table: CostTable, pending: _Pending | None, bs: int) -> None:
+        """What this step's drafts should yield next step, and what the cycle should cost: the kept drafts'
+        calibrated prefix scores (every draft for a probe), the table's verify cost for the kept tokens,
+        the drafter's cost at the width and the engine's overhead."""
+        decision = None if pending is None else pending.decision
+        if decision is not None:
+            drafts = int(decision.budget)
+            tokens = float(decision.expected_accepted) + (0.0 if self.settings.count_bonus else bs)
+        elif pending is not None and pending.expected is not None:  # a probe: every draft verified
+            drafts = int(pending.log_conf.numel())
+            tokens = bs + bs * float(pending.expected.sum())  # the gains of keeping every draft
+        else:  # width 0
+            drafts, tokens = 0, float(bs)
+        verify = table.lookup(bs, bs + drafts)
+        draft = table.draft_cost(bs, cycle.width)
+        if verify is not None and draft is not None:
+            cycle.predicted_tokens = tokens
+            cycle.predicted_ms = verify + draft + float(self.overhead.ms(tokens))
+
+    def _calibrator(self, width: int) -> Calibrator | None:
+        """The width's own calibrator once it has seen ``POOLED_UNTIL`` first drafts, else the pooled one."""
+        own = self.calibrators.get(width)
+        if own is None or self.pooled_calibrator is None or float(own.count[0].sum()) >= POOLED_UNTIL:
+            return own
+        return self.pooled_calibrator
+
     def _update_calibration(self, verified: _Verified) -> None:
         last = self._last
         calibrator = self.calibrators.get(verified.width)
@@ -367,7 +426,9 @@ class RunnerDCut:
         if not rows:
             return
         mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
-        calibrator.update(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
+        for c in (calibrator, self.pooled_calibrator):
+            if c is not None:
+                c.update(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
 
     def estimates(self) -> list[ThroughputEstimate]:
         """Predicted tokens/s per profiled batch size from the cost table and live acceptance."""

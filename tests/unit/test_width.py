@@ -1,4 +1,4 @@
-"""The drafted-width choice: per-width acceptance, the joint utility, hysteresis and probes."""
+"""The drafted-width choice: per-width acceptance, the joint utility, hysteresis, exploration and probes."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from dcut.width import (
+    Explorer,
     ProbeBudget,
     RealizedRates,
     WidthChoice,
     WidthStats,
     choose_width,
-    plausible_widths,
+    marginal_gains,
     position_counts,
     width_utilities,
     widths_for,
@@ -96,32 +97,99 @@ def test_probes_cost_at_most_their_share() -> None:
     assert ProbeBudget([0, 1], share=0.0).probe(chosen, lambda w: 1.0) is None
 
 
-def test_exploration_probes_more_until_widths_are_measured() -> None:
+def test_probes_go_to_the_least_measured_width() -> None:
+    probes = ProbeBudget([0, 1, 3], share=0.5)
     chosen = WidthChoice(0, 0, 4.0, 10.0)
-    calm, eager = ProbeBudget([0, 1, 3], share=0.02), ProbeBudget([0, 1, 3], share=0.02)
-    calm_n = sum(calm.probe(chosen, lambda w: 10.0) is not None for _ in range(200))
-    eager_taken = [eager.probe(chosen, lambda w: 10.0, lambda w: 0, explore=[3]) for _ in range(200)]
-    eager_n = sum(w is not None for w in eager_taken)
-    assert calm_n <= 4 and eager_n >= 25
-    assert {w for w in eager_taken if w is not None} == {3}  # only the widths still to be measured
+    taken = [probes.probe(chosen, lambda w: 10.0, lambda w: {1: 5, 3: 0}[w]) for _ in range(4)]
+    assert [w for w in taken if w is not None] == [3, 3]
 
 
-def test_only_widths_within_reach_are_explored() -> None:
-    """At a large batch the model prices wide blocks far below the chosen width: they are not explored (a
-    full-width probe there costs several plain steps); a width it cannot price is not either."""
-    chosen = WidthChoice(1, 1, 70.0, 50.0)  # 1400 tokens/s
-    choices = [WidthChoice(0, 0, 64.0, 48.0), chosen, WidthChoice(3, 2, 80.0, 70.0),
-               WidthChoice(15, 3, 90.0, 300.0), None]
-    assert plausible_widths(choices, chosen) == [0, 1, 3]
-    assert plausible_widths(choices, chosen, floor=0.0) == [0, 1, 3, 15]
+def test_an_optimistic_bound_tightens_with_observations() -> None:
+    stats = WidthStats([2, 4], k=4)
+    assert stats.survival(1.5)[1].tolist() == [1.0, 1.0, 1.0, 1.0]  # nothing known: anything is possible
+    for _ in range(40):  # half the first drafts accepted, none past them
+        stats.observe(4, *position_counts(torch.tensor([4] * 8), torch.tensor([1, 0] * 4), 4)[1:])
+    hopeful, mean = stats.survival(1.5)[1], stats.survival()[1]
+    assert mean[0] == pytest.approx(0.5, abs=0.01) and 0.5 < hopeful[0] < 0.6
+
+
+def test_drafted_widths_are_priced_by_their_calibrated_confidences() -> None:
+    """Counted acceptance at cut positions is that of the best drafts only; the block's confidences price
+    every draft, and a width never drafted borrows a wider block's confidences at the positions it has."""
+    stats = WidthStats([2, 4], k=4, prior_weight=2.0)
+    stats.observe(4, *position_counts(torch.tensor([1] * 8), torch.tensor([1] * 8), 4)[1:])  # kept 1, all accepted
+    stats.observe_scores(4, torch.tensor([0.6, 0.3, 0.1, 0.05]), requests=8)
+    s = stats.survival()
+    assert s[1].tolist() == pytest.approx([0.6, 0.3, 0.1, 0.05])
+    assert s[0].tolist() == pytest.approx([0.6, 0.3, 0.0, 0.0])  # width 2: width 4's first two positions
+
+
+def test_marginal_gains_price_the_global_top_k() -> None:
+    # One sure request and one hopeless one: the first draft per request (budget bs) is worth the sure
+    # request's first two drafts, which a uniform depth of 1 would not keep.
+    log_conf = torch.log(torch.tensor([[1.0, 1.0, 1.0], [0.01, 0.01, 0.01]]))
+    g = marginal_gains(log_conf)
+    assert g.tolist() == pytest.approx([1.0, 0.5 + 0.005, 0.00005 + 0.0000005], rel=1e-3)
+    assert marginal_gains(log_conf[:1]).tolist() == pytest.approx([1.0, 1.0, 1.0])  # bs 1: the prefix scores
+
+
+def test_the_explorer_tries_only_widths_that_might_win_and_stops_once_measured() -> None:
+    explorer = Explorer(share=0.5, requests=8)
+    chosen = WidthChoice(3, 3, 40.0, 10.0)  # 4000 tokens/s
+    widths, optimistic = [0, 3, 7, 15], [1000.0, 4000.0, 5000.0, 3900.0]
+    measured = {7: 0.0}
+    picks = []
+    for _ in range(40):
+        w = explorer.pick(chosen, widths, optimistic, lambda w: measured.get(w, 0.0), lambda w: 10.0)
+        picks.append(w)
+        if w is not None:
+            measured[w] = measured.get(w, 0.0) + 1
+    tried = [w for w in picks if w is not None]
+    assert set(tried) == {7} and len(tried) == 8  # 15 cannot beat width 3 even at its best; 0 neither
+    assert picks[-1] is None and sum(w is not None for w in picks[:16]) == 8  # half the steps while exploring
+
+
+def test_a_dear_width_waits_for_its_credit() -> None:
+    explorer = Explorer(share=0.2, requests=100)
+    chosen = WidthChoice(0, 0, 10.0, 10.0)
+    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 0.0, lambda w: 50.0) for _ in range(50)]
+    assert sum(p is not None for p in picks) == 2  # each try costs 5 chosen steps: 20% of the time
 
 
 def test_realized_rates_replace_the_estimate_once_measured() -> None:
-    rates = RealizedRates(min_samples=2)
-    estimate = [WidthChoice(0, 0, 4.0, 4.0), WidthChoice(3, 2, 10.0, 5.0)]  # width 3 looks better
-    rates.add(4, 3, tokens=6.0, ms=12.0)
+    rates = RealizedRates(min_samples=2, min_requests=8)
+    estimate = [WidthChoice(0, 0, 16.0, 4.0), WidthChoice(3, 2, 40.0, 5.0)]  # width 3 looks better
+    rates.add(4, 3, tokens=12.0, ms=12.0, predicted_tokens=12.0, predicted_ms=12.0)
     assert rates.apply(4, estimate)[1].tokens_per_s == estimate[1].tokens_per_s  # one cycle is not enough
-    rates.add(4, 3, tokens=6.0, ms=12.0)
+    rates.add(4, 3, tokens=12.0, ms=12.0, predicted_tokens=12.0, predicted_ms=12.0)
     measured = rates.apply(4, estimate)
-    assert measured[1].tokens_per_s == pytest.approx(500.0) and choose_width(measured, None, 0.0).width == 0
+    assert measured[1].tokens_per_s == pytest.approx(1000.0) and choose_width(measured, None, 0.0).width == 0
     assert rates.apply(8, estimate) == estimate  # other batch-size buckets are separate
+
+
+def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
+    """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
+    realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
+    rates = RealizedRates(min_samples=1, min_requests=1)
+    for _ in range(4):
+        rates.add(8, 3, tokens=10.0, ms=10.0, predicted_tokens=20.0, predicted_ms=10.0)
+        rates.add(8, 7, tokens=14.0, ms=10.0, predicted_tokens=28.0, predicted_ms=10.0)
+    a, b = rates.apply(8, [WidthChoice(3, 3, 1.0, 1.0), WidthChoice(7, 7, 1.0, 1.0)])
+    assert a.tokens_per_s == pytest.approx(1000.0) and b.tokens_per_s == pytest.approx(1400.0)
+    summary = rates.summary()["8/7"]
+    assert summary["predicted_tokens_per_s"] == pytest.approx(2 * summary["tokens_per_s"])
+
+
+def test_measurements_fade_so_old_ones_are_worth_retaking() -> None:
+    rates = RealizedRates(half_life=10.0)
+    rates.add(1, 7, 4.0, 10.0, 4.0, 10.0)
+    assert rates.fresh(1, 7) == pytest.approx(1.0)
+    for _ in range(10):
+        rates.add(1, 15, 4.0, 10.0, 4.0, 10.0)
+    assert rates.fresh(1, 7) == pytest.approx(0.5) and rates.fresh(1, 15) > 9
+
+
+def test_noisy_estimates_need_a_clear_lead_to_switch() -> None:
+    a, b = WidthChoice(7, 7, 10.0, 10.0), WidthChoice(15, 15, 11.0, 10.0)  # 15 looks 10% better
+    assert choose_width([a, b], current=7, hysteresis=0.02).width == 15
+    assert choose_width([a, b], current=7, hysteresis=0.02, noise=lambda w: 0.05).width == 7  # within 2 sigma
