@@ -1,7 +1,7 @@
 """The built-in replay cases: which trace meets which cost model.
 
-- ``deep-cpu``: the deep pair's recorded trace (``docs/replay/traces/deep``) against the cost table the
-  recording engine profiled on this kind of machine, with the engine overhead fitted from the trace;
+- ``deep-cpu``: the deep pair's recorded trace (``docs/replay/traces/deep``) against what the recording
+  engine's steps cost on this kind of machine (``recorded_cost_model``);
 - ``h20-paper``: synthetic traces calibrated to the source document (``dcut.replay.synthetic``) against the
   Qwen3-8B-on-H20 roofline fitted to its verify costs (``dcut.replay.roofline``): the paper check;
 - ``deep-h20``: the deep pair's trace against the H20 roofline (our drafter's acceptance, a GPU's costs);
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dcut.cost_table import CostTable
 from dcut.replay.costs import CostModel, linear_fit
 from dcut.replay.report import Case
 from dcut.trace import Trace
@@ -55,18 +56,54 @@ def engine_overhead(trace: Trace) -> tuple[float, float]:
     return linear_fit(x, y)
 
 
+def live_costs(trace: Trace, sizes: list[int], min_steps: int = 3) -> tuple[dict[int, list[tuple[int, float, int]]],
+                                                                           dict[int, dict[int, tuple[float, int]]]]:
+    """Verify and drafter costs of the recorded engine's own steps, medians per (batch size, width).
+
+    A traced step verifies every draft of the step before it, so its verify time is the cost of
+    ``bs * (1 + previous width)`` tokens; its drafter time, the cost of drafting its width."""
+    previous = np.concatenate([[0], trace.step_width[:-1]])
+    points: dict[int, list[tuple[int, float, int]]] = {}
+    draft: dict[int, dict[int, tuple[float, int]]] = {}
+    for b in sizes:
+        for w in trace.widths():
+            verify = trace.verify_ms[(trace.step_bs == b) & (previous == w)]
+            drafter = trace.draft_ms[(trace.step_bs == b) & (trace.step_width == w)]
+            if np.isfinite(verify).sum() >= min_steps:
+                points.setdefault(b, []).append((b * (1 + w), float(np.nanmedian(verify)), int(len(verify))))
+            if np.isfinite(drafter).sum() >= min_steps:
+                draft.setdefault(b, {})[w] = (float(np.nanmedian(drafter)), int(len(drafter)))
+    return points, draft
+
+
 def recorded_cost_model(trace_dir: Path) -> CostModel:
-    """The recording engine's profiled table plus the engine overhead fitted from its trace."""
-    data = json.loads((trace_dir / "cost_table.json").read_text())
-    per_step, per_token = engine_overhead(load_traces(trace_dir))
-    notes = [f"verify and drafter costs: the cost table the recording engine profiled at start "
-             f"({data['fingerprint']['hardware']}), before any live refinement",
+    """What the recording engine's steps cost, measured live; the table it profiled at start as the prior.
+
+    Verify and drafter costs: medians of the trace's own steps (``live_costs``). A step verifying no
+    drafts, and the drafter at width 0 (which a trace never runs): from a plain engine's measured run
+    (``plain-generate.jsonl``, ``dcut generate --mode none``) and the profile. Engine overhead:
+    fitted on the trace's gaps between steps."""
+    profiled = json.loads((trace_dir / "cost_table.json").read_text())
+    trace = load_traces(trace_dir)
+    per_step, per_token = engine_overhead(trace)
+    plain = {}
+    for line in (trace_dir / "plain-generate.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        b = int(row["batch_size"])
+        plain[b] = 1000.0 * b / row["tokens_per_s"] - (per_step + per_token * b)
+    points, draft = live_costs(trace, sorted(plain))
+    prior = CostTable.from_json({**profiled, "offsets": {}, "plain_offsets": {}})
+    for b in points:
+        points[b].append((b, plain[b], 1))
+        draft[b][0] = prior.draft[prior.covering(b)][0]
+    table = CostTable(prior.fingerprint, points, draft=draft).smoothed()
+    notes = [f"verify and drafter costs: medians of the recorded engine's steps "
+             f"({prior.fingerprint.hardware}), per batch size and width; the drafter at width 0 from its profile",
+             "plain decoding step: a plain engine's measured tokens/s (plain-generate.jsonl), less the overhead",
              f"engine overhead fitted on the trace's gaps between steps: {per_step:.3f} ms + {per_token:.4f} ms "
              "per emitted token",
-             "plain decoding step: the table's verify cost at bs tokens (the drafter engine's plain path)"]
-    data.update({"name": f"{trace_dir.name}-cpu", "offsets": {}, "plain_offsets": {},
-                 "overhead": {"per_step_ms": per_step, "per_token_ms": per_token}, "notes": notes})
-    return CostModel.from_json(data)
+             "policies start from the engine's profiled table (dummy steps at start), as a live engine does"]
+    return CostModel(f"{trace_dir.name}-cpu", table, per_step, per_token, plain, notes, prior)
 
 
 def deep_cpu() -> Case:

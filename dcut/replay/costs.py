@@ -29,6 +29,14 @@ class CostModel:
     per_token_ms: float = 0.0
     plain_ms: dict[int, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    prior: CostTable | None = None  # what a policy starts from (an engine's profiled table), when not the truth
+
+    def for_policies(self) -> CostModel:
+        """The costs a policy is handed: the prior table where there is one (an engine profiles dummy steps
+        at start and refines from live ones), else these."""
+        if self.prior is None:
+            return self
+        return CostModel(self.name, self.prior, self.per_step_ms, self.per_token_ms, {}, self.notes)
 
     def verify(self, bs: int, tokens: int) -> float:
         """The target's step verifying ``tokens`` (bs anchors + kept drafts) for ``bs`` requests."""
@@ -64,6 +72,8 @@ class CostModel:
         data["overhead"] = {"per_step_ms": self.per_step_ms, "per_token_ms": self.per_token_ms}
         data["plain"] = {str(b): ms for b, ms in sorted(self.plain_ms.items())}
         data["notes"] = list(self.notes)
+        if self.prior is not None:
+            data["policy_table"] = self.prior.to_json()
         return data
 
     @classmethod
@@ -72,7 +82,8 @@ class CostModel:
         # Monotone in tokens as the engine's profiled tables are (raw medians of a noisy run may not be).
         return cls(name or data.get("name") or data["fingerprint"]["model"], CostTable.from_json(data).smoothed(),
                    float(overhead.get("per_step_ms", 0.0)), float(overhead.get("per_token_ms", 0.0)),
-                   {int(b): float(ms) for b, ms in (data.get("plain") or {}).items()}, list(data.get("notes", [])))
+                   {int(b): float(ms) for b, ms in (data.get("plain") or {}).items()}, list(data.get("notes", [])),
+                   CostTable.from_json(data["policy_table"]) if data.get("policy_table") else None)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ PolicyMaker = Callable[[SimClock], Policy]
 
 def policy_makers(case: Case, pools: Pools) -> Iterator[tuple[str, PolicyMaker, bool]]:
     """``(name, make(clock), plain)`` for every policy replayed on ``case``."""
-    k, cost, widths = case.trace.k, case.cost, pools.widths
+    k, cost, widths = case.trace.k, case.cost.for_policies(), pools.widths
     yield "none", lambda clock: FixedWidth(0), True
     for w in widths:
         yield f"fixed-{w}", lambda clock, w=w: FixedWidth(w), False
@@ -58,7 +58,8 @@ def policy_makers(case: Case, pools: Pools) -> Iterator[tuple[str, PolicyMaker, 
         cost, k, avail, slots=anchors.SGLANG_BS_AWARE_SLOTS), "sglang-adaptive-bs"), False
     # TensorRT-LLM's table as a user would write it from a quick benchmark: mean acceptance per width.
     expected = {w: pools.mean_accepted(w) for w in widths}
-    yield "trtllm-schedule", lambda clock: anchors.TRTLLMSchedule.from_costs(cost, k, avail, expected), False
+    # (A user benchmarks each fixed width live: the true costs, as for the dynamic table.)
+    yield "trtllm-schedule", lambda clock: anchors.TRTLLMSchedule.from_costs(case.cost, k, avail, expected), False
 
 
 def _named(policy: Policy, name: str) -> Policy:

@@ -132,8 +132,9 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
             drafted += bs * w
         kept, width_prev = np.clip(new_kept, 0, w), w
     predicted = getattr(policy, "predicted_tokens_per_s", None)
+    extra = policy.report() if callable(getattr(policy, "report", None)) else {}
     return Cell(policy.name, bs, steps, tokens, ms, dict(sorted(widths.items())), verified, drafted,
-                predicted() if callable(predicted) else None)
+                predicted() if callable(predicted) else None, extra)
 
 
 class RunnerPolicy:
@@ -153,6 +154,9 @@ class RunnerPolicy:
         self._ids: list[str] = []
         self._last: Verified | None = None
         self._bs = 0
+        self._held: int | None = None
+        self._steps = 0
+        self.converged_at = 0  # the step from which the chosen width stayed what it is at the end
 
     def begin(self, bs: int, kept: np.ndarray) -> None:
         self._bs = bs
@@ -164,7 +168,11 @@ class RunnerPolicy:
 
     def width(self, bs: int, last: Verified | None) -> int:
         self._last = last
-        return self.runner.choose_width(bs, self.k)
+        width = self.runner.choose_width(bs, self.k)
+        if self.runner._held != self._held:  # the chosen width (not an exploring or probe step) changed
+            self._held, self.converged_at = self.runner._held, self._steps
+        self._steps += 1
+        return width
 
     def keep(self, log_conf: np.ndarray) -> np.ndarray:
         torch = self._torch
@@ -181,6 +189,15 @@ class RunnerPolicy:
         drafts = self.runner.cut(self._ids, [[0] * w for _ in range(bs)])
         return np.asarray([len(d) for d in drafts], dtype=np.int64)
 
+    def report(self) -> dict[str, Any]:
+        """Mode joint: when the choice settled, and per width what it predicted beside what it got."""
+        if not self.runner.joint:
+            return {}
+        cover = self.runner.cost_table.covering(self._bs) if self.runner.cost_table is not None else None
+        realized = {k.split("/")[1]: {m: round(v, 1) for m, v in cell.items()}
+                    for k, cell in self.runner.realized.summary().items() if k.split("/")[0] == str(cover)}
+        return {"converged_at_step": self.converged_at, "width_estimates": realized}
+
     def predicted_tokens_per_s(self) -> float | None:
         """What the runner predicts for this batch size at the end of the run (``RunnerDCut.estimates``, the
         figure autoscaling and routing use), to set beside what the replay measured."""
@@ -191,31 +208,41 @@ class RunnerPolicy:
 
 def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
     """The best any policy could do on these draws: knowing each request's true acceptance at every
-    width, draft the width that pays best and verify exactly the drafts that will be accepted.
+    width, draft the width that pays best and verify only drafts that will be accepted (all of them,
+    or fewer where the cost table's steps make the last few dearer than they are worth).
 
     Maximises total tokens over total time (not each step's rate): Dinkelbach's iteration on
     ``tokens - rate * ms`` per step converges to the best ratio in a few rounds. Width 0 costs the
     cheaper of a plain step and a width-0 step, so the oracle is at least ``none``.
     """
     widths = [0, *pools.widths]
-    tok = np.zeros((steps, len(widths)))
-    ms = np.zeros((steps, len(widths)))
     zero = min(cost.plain(bs), cost.verify(bs, bs) + cost.draft(bs, 0))
+    options = []  # per step and width: (tokens [B+1], ms [B+1]) for verify budgets B = 0..accepted drafts
     for n in range(steps):
-        for j, w in enumerate(widths):
-            _, accepted = pools.rows(w, warmup + n, bs)
-            tok[n, j] = bs + int(accepted.sum())
-            step = zero if w == 0 else cost.verify(bs, int(tok[n, j])) + cost.draft(bs, w)
-            ms[n, j] = step + cost.overhead(tok[n, j])
-    rate = 0.0
+        row = []
+        for w in widths:
+            accepted = int(pools.rows(w, warmup + n, bs)[1].sum())
+            tokens = bs + np.arange(accepted + 1, dtype=np.float64)
+            verify = cost.table.lookup_many(bs, tokens.astype(np.int64))
+            if verify is None:
+                raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
+            ms = (np.full_like(tokens, zero) if w == 0 else verify + cost.draft(bs, w)) + cost.overhead(tokens)
+            row.append((tokens, ms))
+        options.append(row)
+    rate, picks = 0.0, []
     for _ in range(50):
-        choice = np.argmax(tok - rate * ms, axis=1)
-        rows = np.arange(steps)
-        new = float(tok[rows, choice].sum() / ms[rows, choice].sum())
+        picks = []
+        for row in options:
+            best = max(((j, int(np.argmax(t - rate * m))) for j, (t, m) in enumerate(row)),
+                       key=lambda jb: row[jb[0]][0][jb[1]] - rate * row[jb[0]][1][jb[1]])
+            picks.append(best)
+        tokens = sum(options[n][j][0][b] for n, (j, b) in enumerate(picks))
+        ms = sum(options[n][j][1][b] for n, (j, b) in enumerate(picks))
+        new = float(tokens / ms)
         if math.isclose(new, rate, rel_tol=1e-12):
             break
         rate = new
-    hist = Counter(widths[j] for j in choice)
-    kept = int(sum(tok[n, j] - bs for n, j in enumerate(choice)))
-    return Cell("oracle", bs, steps, float(tok[rows, choice].sum()), float(ms[rows, choice].sum()),
-                dict(sorted(hist.items())), kept, int(sum(bs * widths[j] for j in choice)))
+    hist = Counter(widths[j] for j, _ in picks)
+    verified = int(sum(b for _, b in picks))
+    return Cell("oracle", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())), verified,
+                int(sum(bs * widths[j] for j, _ in picks)))
