@@ -19,6 +19,7 @@ COMMANDS = {
     "train": "dcut.commands.train",
     "trace": "dcut.commands.trace",
     "replay": "dcut.commands.replay",
+    "compare": "dcut.commands.compare",
 }
 
 

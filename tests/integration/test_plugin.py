@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dcut.bench.generate import token_ids_sha256
@@ -192,3 +193,25 @@ def test_cli_errors_are_clear(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dcut.cli", "generate", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 2 and "model folder not found" in proc.stderr
+
+
+def test_a_trace_records_every_width_verified_in_full(tiny, cache_dir, tmp_path):
+    """`dcut trace`'s recorder on a real engine: each batch size's file holds every traced width, the true
+    accepted length of every fully verified request, and the step timings replay prices steps with."""
+    from dcut.bench.trace import record
+    from dcut.trace import Trace
+
+    settings = _settings(tiny, "dflash", "joint", cache_dir)
+    paths = record(settings, PROMPTS[:4], [2, 4], 24, tmp_path, widths=[1, 3, 7], pair="tiny")
+    assert [p.name for p in paths] == ["bs2.npz", "bs4.npz"] and (tmp_path / "cost_table.json").exists()
+    for path in paths:
+        trace = Trace.load(path)
+        assert trace.widths() == [1, 3, 7] and trace.meta["source"] == "vllm"
+        width = trace.row_width()
+        known = trace.accepted >= 0
+        assert known.sum() > 0.5 * len(known)  # all but the requests that finished mid-block
+        assert ((trace.accepted[known] >= 0) & (trace.accepted[known] <= width[known])).all()
+        assert (trace.ctx_len[known] > 0).all()
+        assert np.isfinite(trace.verify_ms[1:]).all() and np.isfinite(trace.draft_ms).all()
+        conf, _ = trace.pool(7)
+        assert conf.shape[1] == 7 and np.isfinite(conf).all() and (conf <= 0).all()

@@ -1,0 +1,206 @@
+"""An interleaved live comparison (``dcut compare``): modes ranked only where their intervals separate.
+
+Runs of one mode after another meet different moments of a shared machine (on the 2-core box two
+runs of one cell differed by 2x). Here every engine is built first and kept; at each batch size,
+repeat after repeat, every mode runs once in a freshly shuffled order, so drift hits every mode
+alike. Each cell is the median of its repeats with a 95% bootstrap interval; each mode is compared
+with ``joint`` by the paired ratio of its repeats (same round, same prompts), and the verdict is
+faster or slower only where the ratio's interval excludes 1.
+
+A cell at batch size b decodes ``max(b, 8)`` prompts, b at a time (small batches see more than one
+prompt), ``max_tokens`` greedy tokens each, after one untimed warm-up of the same shape.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from dcut.bench.generate import _build_engine, settings_for_mode, token_ids_sha256
+from dcut.machine import machine_info
+from dcut.settings import EngineSettings
+
+COMPARE_MODES = ("none", "full", "dynamic", "joint", "joint-w0")
+MIN_PROMPTS = 8
+BOOTSTRAP = 2000
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One engine of the comparison."""
+
+    name: str
+    settings: EngineSettings
+
+
+def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, int, int]] | None) -> list[Arm]:
+    """``none`` (no drafter), ``full`` (every draft verified), ``dynamic`` (vLLM's per-batch-size K, from
+    ``schedule``), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor)."""
+    arms = []
+    for mode in modes:
+        if mode == "dynamic":
+            if not schedule:
+                raise ValueError("mode dynamic needs a schedule (bs ranges to K)")
+            s = settings_for_mode("full", base).model_copy(update={
+                "spec_schedule": schedule, "num_speculative_tokens": max(k for _, _, k in schedule)})
+        elif mode == "joint-w0":
+            s = settings_for_mode("joint", base)
+            assert s.dcut is not None
+            s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [0]})})
+        elif mode in ("none", "full", "joint"):
+            s = settings_for_mode(mode, base)
+        else:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(COMPARE_MODES)}")
+        arms.append(Arm(mode, s))
+    return arms
+
+
+def bootstrap_median(values: list[float], rng: np.random.Generator) -> tuple[float, float, float]:
+    """Median and its 95% bootstrap interval."""
+    data = np.asarray(values, dtype=np.float64)
+    medians = np.median(rng.choice(data, size=(BOOTSTRAP, len(data)), replace=True), axis=1)
+    return float(np.median(data)), float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def verdict(low: float, high: float) -> str:
+    """Of a ratio other/joint: ``joint faster`` where the whole interval is below 1, and so on."""
+    if high < 1.0:
+        return "joint faster"
+    if low > 1.0:
+        return "joint slower"
+    return "within noise"
+
+
+def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list[str], max_tokens: int,
+            repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
+    from vllm import LLM, SamplingParams
+
+    from dcut.vllm.api import read_stats, reset_stats
+    from dcut.vllm.engine import engine_kwargs
+
+    arms = arms_for(base.model_copy(update={"max_num_seqs": max(batch_sizes)}), modes, schedule)
+    engines = {}
+    for arm in tqdm(arms, desc="building engines", unit="engine"):
+        start = time.perf_counter()
+        engines[arm.name] = (_build_engine(LLM, engine_kwargs(arm.settings)), time.perf_counter() - start)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    order_rng, boot = random.Random(seed), np.random.default_rng(seed)
+    runs: list[dict[str, Any]] = []
+    stats: dict[tuple[str, int], Any] = {}
+    bar = tqdm(total=len(batch_sizes) * repeats * len(arms), desc="interleaved", unit="run")
+    for bs in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(max(bs, MIN_PROMPTS))]
+        for arm in arms:  # warm-up: shapes first seen, D-Cut learning this batch size
+            llm = engines[arm.name][0]
+            _decode(llm, batch, bs, params)
+            if arm.settings.dcut is not None and arm.settings.method != "none":
+                reset_stats(llm)
+        for r in range(repeats):
+            order = list(arms)
+            order_rng.shuffle(order)
+            for position, arm in enumerate(order):
+                llm = engines[arm.name][0]
+                start = time.perf_counter()
+                token_ids = _decode(llm, batch, bs, params)
+                wall = time.perf_counter() - start
+                runs.append({"mode": arm.name, "bs": bs, "repeat": r, "position": position, "wall_s": wall,
+                             "tokens_per_s": sum(map(len, token_ids)) / wall,
+                             "token_ids_sha256": token_ids_sha256(token_ids)})
+                bar.update()
+        for arm in arms:
+            if arm.settings.dcut is not None and arm.settings.method != "none":
+                snap = read_stats(engines[arm.name][0])
+                if snap is not None:
+                    stats[(arm.name, bs)] = {"width_histogram": snap.window.width_histogram,
+                                             "mean_keep_ratio": snap.window.mean_keep_ratio,
+                                             "mean_accepted_length": snap.window.mean_accepted_length,
+                                             "width_realized": snap.width_realized}
+    bar.close()
+    cells, comparisons = _summaries(runs, arms, batch_sizes, boot)
+    for c in cells:
+        c.update(stats.get((c["mode"], c["bs"]), {}))
+    return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
+            "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
+            "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
+            "cells": cells, "comparisons": comparisons, "runs": runs}
+
+
+def _decode(llm: Any, batch: list[str], bs: int, params: Any) -> list[list[int]]:
+    """``batch`` decoded ``bs`` prompts at a time; every request's token ids, in order."""
+    out = []
+    for start in range(0, len(batch), bs):
+        out += [list(o.outputs[0].token_ids) for o in llm.generate(batch[start:start + bs], params, use_tqdm=False)]
+    return out
+
+
+def _summaries(runs: list[dict[str, Any]], arms: list[Arm], batch_sizes: list[int],
+               rng: np.random.Generator) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per cell: median tokens/s with its interval, and whether greedy output matched ``none``'s;
+    per (bs, mode): the paired ratio mode/joint with its interval and the verdict."""
+    by = {(r["mode"], r["bs"], r["repeat"]): r for r in runs}
+    repeats = sorted({r["repeat"] for r in runs})
+    cells, comparisons = [], []
+    for bs in batch_sizes:
+        reference = {r["token_ids_sha256"] for r in runs if r["bs"] == bs and r["mode"] == "none"}
+        for arm in arms:
+            rates = [by[(arm.name, bs, r)]["tokens_per_s"] for r in repeats]
+            median, low, high = bootstrap_median(rates, rng)
+            shas = {by[(arm.name, bs, r)]["token_ids_sha256"] for r in repeats}
+            cells.append({"mode": arm.name, "bs": bs, "tokens_per_s": median, "ci95": [low, high],
+                          "runs": rates, "identical_to_none": (shas == reference) if reference else None})
+        if any(a.name == "joint" for a in arms):
+            for arm in arms:
+                if arm.name == "joint":
+                    continue
+                ratios = [by[(arm.name, bs, r)]["tokens_per_s"] / by[("joint", bs, r)]["tokens_per_s"] for r in repeats]
+                median, low, high = bootstrap_median(ratios, rng)
+                comparisons.append({"bs": bs, "mode": arm.name, "ratio_to_joint": median, "ci95": [low, high],
+                                    "verdict": verdict(low, high)})
+    return cells, comparisons
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """Medians with intervals per cell, joint against every other mode, and the floor of width 0."""
+    sizes, modes = record["batch_sizes"], record["modes"]
+    cell = {(c["mode"], c["bs"]): c for c in record["cells"]}
+    head = "| mode | " + " | ".join(f"bs {b}" for b in sizes) + " |\n|---|" + "---|" * len(sizes)
+    lines = [f"## Output tokens/s: median [95% bootstrap interval] of {record['repeats']} interleaved repeats", "",
+             head]
+    for m in modes:
+        lines.append(f"| {m} | " + " | ".join(
+            f"{cell[(m, b)]['tokens_per_s']:.0f} [{cell[(m, b)]['ci95'][0]:.0f}–{cell[(m, b)]['ci95'][1]:.0f}]"
+            for b in sizes) + " |")
+    lines += ["", "## Each mode ÷ `joint`, paired by round: median [95% interval], verdict", "", head]
+    comp = {(c["mode"], c["bs"]): c for c in record["comparisons"]}
+    for m in modes:
+        if m == "joint":
+            continue
+        lines.append(f"| {m} | " + " | ".join(
+            f"{comp[(m, b)]['ratio_to_joint']:.2f} [{comp[(m, b)]['ci95'][0]:.2f}–{comp[(m, b)]['ci95'][1]:.2f}] "
+            f"{comp[(m, b)]['verdict']}" for b in sizes) + " |")
+    best = []
+    for b in sizes:
+        others = [cell[(m, b)]["tokens_per_s"] for m in modes if m not in ("joint", "joint-w0")]
+        if others and ("joint", b) in cell:
+            best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
+    lines += ["", "`joint`'s median ÷ the best other mode's median: " + ", ".join(best) + "."]
+    if "joint-w0" in modes and "none" in modes:
+        floor = [f"bs {b}: {cell[('joint-w0', b)]['tokens_per_s'] / cell[('none', b)]['tokens_per_s']:.3f}"
+                 for b in sizes]
+        lines += ["", "Width 0 pinned ÷ plain decoding (medians): " + ", ".join(floor) + "."]
+    same = all(c["identical_to_none"] in (True, None) for c in record["cells"])
+    lines += ["", f"Greedy outputs identical to `none` in every run: **{'yes' if same else 'NO'}**."]
+    widths = [f"bs {b}: {cell[('joint', b)].get('width_histogram')}" for b in sizes if ("joint", b) in cell]
+    if widths:
+        lines += ["", "`joint`'s drafted widths (steps per width, last window):", "", *[f"- {w}" for w in widths]]
+    m = record["machine"]
+    lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
+              f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; engine start-up "
+              f"{record['startup_s']} s."]
+    return "\n".join(lines) + "\n"

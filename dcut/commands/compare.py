@@ -1,0 +1,59 @@
+"""dcut compare: modes ranked live, interleaved, with intervals (``dcut.bench.interleaved``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from dcut.bench.interleaved import COMPARE_MODES
+from dcut.cli import CommandError
+from dcut.commands.engine_args import add_engine_flags, engine_settings, parse_schedule
+from dcut.prompts import DEFAULT_PROMPTS, load_prompts
+
+HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0: medians, 95% intervals, verdicts."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_engine_flags(parser)
+    parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
+    parser.add_argument("--modes", default="none,full,dynamic,joint,joint-w0",
+                        help=f"comma-separated, from {', '.join(COMPARE_MODES)}")
+    parser.add_argument("--dynamic-schedule", type=parse_schedule,
+                        help="vLLM dynamic speculation for mode dynamic, e.g. '1-1:15,2-4:7,5-64:3' (bs range: K)")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
+    parser.add_argument("--out", required=True, help="folder for compare.json and compare.md")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dcut.bench.interleaved import compare, markdown
+
+    try:
+        sizes = sorted({int(b) for b in args.bs.split(",") if b.strip()})
+    except ValueError as e:
+        raise CommandError(f"--bs: {e}") from e
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(modes) - set(COMPARE_MODES))
+    if unknown or not modes:
+        raise CommandError(f"unknown modes {unknown}; choose from {', '.join(COMPARE_MODES)}")
+    if "dynamic" in modes and not args.dynamic_schedule:
+        raise CommandError("mode dynamic needs --dynamic-schedule")
+    if args.repeats < 2 or not sizes or sizes[0] < 1 or args.max_tokens < 1:
+        raise CommandError("--repeats must be >= 2, --bs and --max-tokens positive")
+    try:
+        prompts = load_prompts(args.prompts)
+        base = engine_settings(args)
+    except (ValueError, FileNotFoundError, ValidationError) as e:
+        raise CommandError(str(e)) from e
+    record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "compare.md").write_text(markdown(record))
+    print((out / "compare.md").read_text())
+    return 0

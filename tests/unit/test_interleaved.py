@@ -1,0 +1,64 @@
+"""The interleaved comparison's statistics and report (`dcut.bench.interleaved`), on synthetic runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcut.bench.interleaved import _summaries, arms_for, bootstrap_median, markdown, verdict
+from dcut.settings import EngineSettings
+
+
+def test_bootstrap_interval_contains_the_median_and_narrows_with_agreement():
+    rng = np.random.default_rng(0)
+    median, low, high = bootstrap_median([10.0, 11.0, 9.0, 10.5, 9.5], rng)
+    assert median == 10.0 and low <= median <= high
+    _, tight_low, tight_high = bootstrap_median([10.0, 10.01, 9.99, 10.0, 10.0], rng)
+    assert tight_high - tight_low < high - low
+
+
+def test_verdicts_only_where_the_interval_excludes_one():
+    assert verdict(0.80, 0.95) == "joint faster"
+    assert verdict(1.02, 1.10) == "joint slower"
+    assert verdict(0.97, 1.03) == "within noise"
+
+
+def test_arms_build_what_each_mode_means():
+    base = EngineSettings()
+    modes = ["none", "dynamic", "joint", "joint-w0"]
+    arms = {a.name: a.settings for a in arms_for(base, modes, [(1, 4, 7), (5, 64, 3)])}
+    assert arms["none"].method == "none" and arms["none"].dcut is None
+    assert arms["dynamic"].spec_schedule == [(1, 4, 7), (5, 64, 3)] and arms["dynamic"].num_speculative_tokens == 7
+    assert arms["joint"].dcut.mode == "joint" and arms["joint-w0"].dcut.widths == [0]
+    with pytest.raises(ValueError, match="schedule"):
+        arms_for(base, ["dynamic"], None)
+    with pytest.raises(ValueError, match="unknown mode"):
+        arms_for(base, ["fastest"], None)
+
+
+def _runs(rates: dict[str, list[float]], bs: int = 8, sha: str = "a") -> list[dict]:
+    return [{"mode": m, "bs": bs, "repeat": r, "tokens_per_s": v, "token_ids_sha256": sha}
+            for m, values in rates.items() for r, v in enumerate(values)]
+
+
+def test_paired_ratios_rank_modes_that_drift_together():
+    # The machine slows down over the rounds, for every mode alike: unpaired medians overlap, paired ratios do not.
+    drift = [1.0, 0.8, 0.6, 0.9, 0.7]
+    runs = _runs({"none": [100 * d for d in drift], "joint": [110 * d for d in drift]})
+    arms = arms_for(EngineSettings(), ["none", "joint"], None)
+    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    assert [c["identical_to_none"] for c in cells] == [True, True]
+    (none_vs_joint,) = comparisons
+    assert none_vs_joint["ratio_to_joint"] == pytest.approx(100 / 110) and none_vs_joint["verdict"] == "joint faster"
+    record = {"batch_sizes": [8], "modes": ["none", "joint"], "cells": cells, "comparisons": comparisons,
+              "repeats": 5, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
+              "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
+    text = markdown(record)
+    assert "joint faster" in text and "bs 8: 1.100" in text and "identical to `none` in every run: **yes**" in text
+
+
+def test_a_differing_output_is_reported():
+    runs = _runs({"none": [1.0, 1.0]}) + [{**r, "mode": "joint", "token_ids_sha256": "b"}
+                                           for r in _runs({"none": [1.0, 1.0]})]
+    cells, _ = _summaries(runs, arms_for(EngineSettings(), ["none", "joint"], None), [8], np.random.default_rng(0))
+    assert [c["identical_to_none"] for c in cells] == [True, False]

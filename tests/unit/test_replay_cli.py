@@ -1,0 +1,34 @@
+"""`dcut replay`, `dcut trace` and `dcut compare` refuse bad input with a message and exit status 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dcut.cli import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--trace", "nowhere.npz"], "--trace and --costs go together"),
+    (["replay", "--trace", "nowhere.npz", "--costs", "nowhere.json"], "nowhere"),
+    (["replay", "--steps", "0"], "--steps"),
+    (["trace", "--out", "x", "--trace-widths", "0,3"], ">= 1"),
+    (["trace", "--out", "x", "--trace-widths", "3,31"], "<= K"),
+    (["compare", "--out", "x", "--modes", "none,fastest"], "unknown modes"),
+    (["compare", "--out", "x", "--modes", "none,dynamic"], "--dynamic-schedule"),
+    (["compare", "--out", "x", "--modes", "none,joint", "--repeats", "1"], "--repeats"),
+])
+def test_bad_input_is_refused(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_custom_case_replays_and_writes_the_report(tmp_path, capsys):
+    data = "tests/data/replay"
+    assert main(["replay", "--trace", f"{data}/deep-small.npz", "--costs", f"{data}/deep-small-costs.json",
+                 "--bs", "4", "--steps", "10", "--warmup", "2", "--out", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["cases"]["deep-small"]["rows"]
+    assert {r["policy"] for r in rows} >= {"none", "joint", "oracle", "dynamic", "vllm-adaptive"}
+    assert (tmp_path / "replay.md").exists() and (tmp_path / "deep-small.png").exists()
