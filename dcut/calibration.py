@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dcut.learned import CalibrationState
+
 
 class Calibrator:
     """Maps raw confidence to the observed conditional acceptance probability, per position.
@@ -77,6 +79,20 @@ class Calibrator:
         if k == log_conf.shape[-1]:
             return calibrated
         return torch.cat([calibrated, log_conf[..., k:].float()], dim=-1)
+
+    def state(self) -> CalibrationState:
+        """The counts, for ``dcut.learned`` (a new replica starts from them)."""
+        return CalibrationState(**{f: getattr(self, f).tolist() for f in CalibrationState.model_fields})
+
+    def load(self, state: CalibrationState) -> None:
+        """Take over ``state``'s counts (same positions and bins)."""
+        for f in CalibrationState.model_fields:
+            values = torch.tensor(getattr(state, f), dtype=torch.float64)
+            if values.shape != getattr(self, f).shape:
+                raise ValueError(f"calibration state of shape {tuple(values.shape)}, "
+                                 f"expected {tuple(self.count.shape)}")
+            setattr(self, f, values)
+        self._luts.clear()
 
     def reliability(self) -> dict[str, Any]:
         """Per-position expected calibration error of raw and of calibrated confidence.

@@ -55,6 +55,8 @@ class DCutSettings(BaseModel):
     cost_table: str | None = Field(None, description="Path of a cost table JSON to use instead of profiling.")
     cache_dir: str | None = Field(None, description="Where profiled tables are cached by fingerprint "
                                   "(default ~/.cache/dcut).")
+    learned: str | None = Field(None, description="Mode joint: path of a learned-state JSON (dcut.learned, what "
+                                "other replicas of the same fingerprint learned) to start from instead of cold.")
     profile: bool = Field(True, description="Profile a cost table at engine start when none is given.")
     profile_batch_sizes: list[int] | None = Field(
         None, description="Batch sizes to profile (default: powers of two up to max_num_seqs).")

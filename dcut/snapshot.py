@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dcut.cost_table import Fingerprint
+from dcut.learned import LearnedState
 from dcut.settings import DCutSettings
 
 # Where the cost table came from: not loaded yet, handed in (a path), the fingerprint's cache (a path),
@@ -88,3 +89,5 @@ class DCutSnapshot(_Record):
     width_survival: dict[int, list[float]] | None = None
     calibration: dict[int, dict[str, Any]] | None = Field(
         None, description="Per drafted width: `Calibrator.reliability`.")
+    learned: LearnedState | None = Field(None, description="Mode joint: what a replica starting after this one "
+                                         "can start from (`dcut.learned`).")

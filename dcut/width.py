@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dcut.learned import RealizedCell
 from dcut.selection import prefix_scores
 
 DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
@@ -119,6 +120,18 @@ class WidthStats:
         w = max(weight, requests / (n + requests))
         self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu() - self.expected[i, :width])
         self.expected_requests[i] += requests
+        self._survival = {}
+
+    def load(self, reached: Sequence[Sequence[float]], accepted: Sequence[Sequence[float]],
+             expected: Sequence[Sequence[float]], expected_requests: Sequence[float]) -> None:
+        """Take over counts and gains learned elsewhere (``dcut.learned``), capped like this stats' own."""
+        self.reached = torch.tensor(reached, dtype=torch.float64)
+        self.accepted = torch.tensor(accepted, dtype=torch.float64)
+        top = self.reached.max(dim=1, keepdim=True).values.clamp(min=self.cap) / self.cap
+        self.reached /= top
+        self.accepted /= top
+        self.expected = torch.tensor(expected, dtype=torch.float64)
+        self.expected_requests = torch.tensor(expected_requests, dtype=torch.float64)
         self._survival = {}
 
     def conditional(self) -> Tensor:
@@ -349,6 +362,22 @@ class RealizedRates:
             else:
                 out.append(None if c is None else c.tokens_per_s)
         return out
+
+    def cells(self) -> list[RealizedCell]:
+        """Every (bucket, width)'s measurement, for ``dcut.learned``."""
+        return [RealizedCell(bucket=b, width=w, tokens=c.tokens, ms=c.ms, predicted_tokens=c.predicted_tokens,
+                             predicted_ms=c.predicted_ms, rate=c.rate, rate_var=c.rate_var, n=c.n)
+                for (b, w), c in sorted(self._cells.items())]
+
+    def load(self, cells: Sequence[RealizedCell]) -> None:
+        """Start from measurements taken elsewhere: trusted as this replica's own, and fresh (a width measured
+        by the fleet is not explored again until the measurement fades)."""
+        for c in cells:
+            self._cells[(c.bucket, c.width)] = _Cell(c.tokens, c.ms, c.predicted_tokens, c.predicted_ms, c.rate,
+                                                     c.rate_var, c.n, self._ticks.get(c.bucket, 0))
+            pool = self._pooled.setdefault(c.bucket, [0.0, 0.0, 0.0, 0.0])
+            for i, value in enumerate((c.tokens, c.predicted_tokens, c.ms, c.predicted_ms)):
+                pool[i] += value * min(c.n, 1.0 / self.weight)
 
     def summary(self) -> dict[str, dict[str, float]]:
         """``{"bucket/width": {tokens_per_s, predicted_tokens_per_s, samples}}``: realized beside predicted."""

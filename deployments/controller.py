@@ -14,6 +14,7 @@ from ray import serve
 from ray.serve.exceptions import RayServeException
 
 from dcut.cost_table import CostTable
+from dcut.learned import LearnedState, merge
 from deployments.autoscaling import read_log, replicas_needed
 from deployments.history import History
 from deployments.records import CostTableOffer, ReplicaReport
@@ -27,6 +28,7 @@ class DCutController:
         self.settings = settings
         self.autoscaling = autoscaling
         self.tables: dict[str, dict[str, CostTable]] = {}  # fingerprint key -> replica -> its latest table
+        self.learned: dict[str, dict[str, LearnedState]] = {}  # the same for what joint runners learned
         self.leases: dict[str, tuple[str, float]] = {}  # fingerprint key -> (profiling replica, expires)
         self.reports: dict[str, ReplicaReport] = {}
         self.recent = History(settings.history_s)
@@ -42,11 +44,22 @@ class DCutController:
         tables = self.tables.get(fingerprint)
         return CostTable.merge(list(tables.values())) if tables else None
 
+    def learned_state(self, fingerprint: str) -> LearnedState | None:
+        """What the replicas of ``fingerprint`` learned, merged (those of one K and width set as the latest)."""
+        states = list(self.learned.get(fingerprint, {}).values())
+        if not states:
+            return None
+        last = states[-1]
+        return merge([s for s in states if (s.k, s.widths) == (last.k, last.widths)])
+
     def offer_cost_table(self, fingerprint: str, replica_id: str) -> dict:
         table = self.cost_table(fingerprint)
         if table is not None:
-            logger.info("cost table %s handed to replica %s", fingerprint, replica_id)
-            return CostTableOffer(action="use", table=table.to_json()).model_dump()
+            learned = self.learned_state(fingerprint)
+            logger.info("cost table %s handed to replica %s%s", fingerprint, replica_id,
+                        " with learned state" if learned is not None else "")
+            return CostTableOffer(action="use", table=table.to_json(),
+                                  learned=None if learned is None else learned.model_dump()).model_dump()
         holder = self.leases.get(fingerprint)
         now = time.monotonic()
         if holder is None or holder[1] < now or holder[0] == replica_id:
@@ -71,6 +84,8 @@ class DCutController:
                            table.fingerprint.key(), r.fingerprint)
             return
         self.tables.setdefault(r.fingerprint, {})[r.replica_id] = table
+        if r.dcut.learned is not None and r.dcut.learned.fingerprint == r.fingerprint:
+            self.learned.setdefault(r.fingerprint, {})[r.replica_id] = r.dcut.learned
 
     def _stale_after_s(self, report: ReplicaReport) -> float:
         """How long ``report``'s replica may stay silent before it leaves the cluster view (a killed replica

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import logging
 import os
 import tempfile
@@ -87,9 +88,15 @@ class EngineReplica:
             if offer.action == "use":
                 path = Path(tempfile.gettempdir()) / "dcut-serve" / f"{self.fingerprint}-{self.replica_id}.json"
                 CostTable.from_json(offer.table).save(path)
-                logger.info("EngineReplica %s: cost table %s from the controller (waited %.1f s)", self.replica_id,
-                            self.fingerprint, time.monotonic() - start)
-                return settings.model_copy(update={"dcut": dcut.model_copy(update={"cost_table": str(path)})})
+                update: dict[str, Any] = {"cost_table": str(path)}
+                if offer.learned is not None and dcut.learned is None:  # start where the fleet is, not cold
+                    learned = path.with_name(f"{path.stem}-learned.json")
+                    learned.write_text(json.dumps(offer.learned))
+                    update["learned"] = str(learned)
+                logger.info("EngineReplica %s: cost table %s%s from the controller (waited %.1f s)", self.replica_id,
+                            self.fingerprint, " and learned state" if "learned" in update else "",
+                            time.monotonic() - start)
+                return settings.model_copy(update={"dcut": dcut.model_copy(update=update)})
             if offer.action == "profile" or time.monotonic() - start > self.rs.profile_wait_s:
                 return settings
             if not waiting:

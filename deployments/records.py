@@ -61,6 +61,7 @@ class CostTableOffer(BaseModel):
 
     action: Literal["use", "profile", "wait"]
     table: dict | None = None
+    learned: dict | None = None  # `dcut.learned.LearnedState` merged over the fingerprint's replicas, with "use"
 
 
 ScalingRule = Literal["no_estimates", "cold", "up", "down", "floor", "hold"]

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, profile_cost_table
+from dcut.learned import LearnedState
 from dcut.selection import Decision, select
 from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource, DCutSnapshot, Overhead, ThroughputEstimate, Totals, WindowSummary
@@ -188,6 +189,40 @@ class RunnerDCut:
             self.cost_source = "fallback"
         logger.info("D-Cut: cost table %s%s in %.1f s", self.cost_source, f" ({self.cost_path})" if self.cost_path
                     else "", time.perf_counter() - start)
+        if self.settings.learned and self.joint:
+            state = LearnedState.model_validate_json(Path(self.settings.learned).read_text())
+            if state.fingerprint != self.fingerprint.key() or state.widths != self.widths:
+                logger.warning("D-Cut: learned state %s is of another engine (fingerprint or widths): ignored",
+                               self.settings.learned)
+            else:
+                self.adopt(state)
+                logger.info("D-Cut: started from learned state %s (%d measured widths x buckets)",
+                            self.settings.learned, len(state.realized))
+
+    # -- learned state (dcut.learned) -------------------------------------------------------
+    def learned(self) -> LearnedState | None:
+        """Mode joint: what this runner has learned, for a replica that starts after it."""
+        if not self.joint:
+            return None
+        ws = self.width_stats
+        return LearnedState(
+            fingerprint=self.fingerprint.key(), k=self.k, widths=self.widths, reached=ws.reached.tolist(),
+            accepted=ws.accepted.tolist(), expected=ws.expected.tolist(),
+            expected_requests=ws.expected_requests.tolist(),
+            calibration={w: c.state() for w, c in self.calibrators.items()},
+            pooled_calibration=None if self.pooled_calibrator is None else self.pooled_calibrator.state(),
+            realized=self.realized.cells(), overhead_ms=(self.overhead.per_step_ms, self.overhead.per_token_ms))
+
+    def adopt(self, state: LearnedState) -> None:
+        """Start from ``state`` (same fingerprint and widths): acceptance, calibration, measured rates."""
+        self.width_stats.load(state.reached, state.accepted, state.expected, state.expected_requests)
+        for w, cal in state.calibration.items():
+            if w in self.calibrators:
+                self.calibrators[w].load(cal)
+        if self.pooled_calibrator is not None and state.pooled_calibration is not None:
+            self.pooled_calibrator.load(state.pooled_calibration)
+        self.realized.load(state.realized)
+        self.overhead.per_step_ms, self.overhead.per_token_ms = state.overhead_ms
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
@@ -478,7 +513,8 @@ class RunnerDCut:
             selection_us_median=statistics.median(sel) if sel else None, estimates=self.estimates(),
             overhead=Overhead(per_step_ms=self.overhead.per_step_ms, per_token_ms=self.overhead.per_token_ms),
             cost_table=None if self.cost_table is None else self.cost_table.to_json(),
-            calibration={w: c.reliability() for w, c in self.calibrators.items()} or None, **joint)
+            calibration={w: c.reliability() for w, c in self.calibrators.items()} or None, learned=self.learned(),
+            **joint)
 
 
 def _fmt(value: float | None) -> str:

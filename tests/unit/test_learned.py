@@ -1,0 +1,105 @@
+"""Learned state shared across a fleet (`dcut.learned`): a second replica starts where the first converged."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dcut.cost_table import CostTable, Fingerprint
+from dcut.learned import LearnedState, RealizedCell, merge
+from dcut.replay.cases import custom_case
+from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, run_cell
+from dcut.settings import DCutSettings
+from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
+from deployments.controller import DCutController
+from deployments.records import EngineLoad, ReplicaReport
+from deployments.settings import AutoscalingSettings, ControllerSettings
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "replay"
+JOINT = DCutSettings(mode="joint", widths=[0, 1, 3, 7, 15])
+
+
+class Recording(RunnerPolicy):
+    """The runner, noting the width it chose (not an exploring or probe step) at every step."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.held: list[int | None] = []
+
+    def width(self, bs: int, last: object) -> int:
+        width = super().width(bs, last)
+        self.held.append(self.runner._held)
+        return width
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.set_num_threads(1)
+    return custom_case(DATA / "deep-small.npz", DATA / "deep-small-costs.json", "8")
+
+
+def test_a_second_replica_starts_with_the_first_ones_choice(case):
+    pools, bs = Pools(case.trace), 8
+    clock = SimClock()
+    first = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
+    run_cell(first, bs, pools, case.cost, steps=300, warmup=0, clock=clock)
+    converged = first.held[-1]
+    assert first.held.count(converged) < len(first.held)  # the first replica had to find it
+
+    # What the controller hands a starting replica: the fleet's refined cost table and learned state, as JSON.
+    state = LearnedState.model_validate_json(first.runner.learned().model_dump_json())
+    table = CostTable.from_json(first.runner.cost_table.to_json())
+    clock = SimClock()
+    second = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
+    second.runner.cost_table = table
+    second.runner.adopt(state)
+    run_cell(second, bs, pools, case.cost, steps=50, warmup=0, clock=clock)
+    assert second.held == [converged] * 50
+
+    clock = SimClock()
+    cold = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
+    cold.runner.cost_table = CostTable.from_json(table.to_json())
+    run_cell(cold, bs, pools, case.cost, steps=50, warmup=0, clock=clock)
+    assert cold.held != [converged] * 50  # without it, the same start explores
+
+
+def _state(reached: float, expected: float, requests: float, n: int, rate: float) -> LearnedState:
+    return LearnedState(fingerprint="f", k=2, widths=[0, 2], reached=[[0, 0], [reached, reached]],
+                        accepted=[[0, 0], [reached / 2, 0]], expected=[[0, 0], [expected, expected / 2]],
+                        expected_requests=[0, requests],
+                        realized=[RealizedCell(bucket=4, width=2, tokens=8, ms=4, predicted_tokens=8, predicted_ms=4,
+                                               rate=rate, rate_var=0.0, n=n)])
+
+
+def test_merge_adds_counts_and_weighs_means_by_them():
+    merged = merge([_state(10, 0.9, 30, 3, 2.0), _state(30, 0.5, 10, 1, 4.0)])
+    assert merged.reached[1] == [40, 40] and merged.accepted[1] == [20, 0]
+    assert merged.expected[1][0] == pytest.approx((0.9 * 30 + 0.5 * 10) / 40)
+    (cell,) = merged.realized
+    assert cell.n == 4 and cell.rate == pytest.approx(2.5) and cell.rate_var == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="different"):
+        merge([_state(1, 0.5, 1, 1, 1.0), _state(1, 0.5, 1, 1, 1.0).model_copy(update={"widths": [0, 3]})])
+
+
+def test_the_controller_hands_a_starting_replica_what_the_fleet_learned():
+    fp = Fingerprint(hardware="cpu", model="m", drafter="d", k=2)
+    table = CostTable(fp, {4: [(4, 1.0, 1), (12, 2.0, 1)]}).to_json()
+
+    def report(replica: str, state: LearnedState) -> dict:
+        snap = DCutSnapshot(settings=DCutSettings(mode="joint"), fingerprint=fp, cost_source="profiled", steps=1,
+                            window=WindowSummary(steps=1), overhead=Overhead(per_step_ms=0.0, per_token_ms=0.0),
+                            cost_table=table, learned=state.model_copy(update={"fingerprint": fp.key()}))
+        return ReplicaReport(replica_id=replica, served_model_name="m", fingerprint=fp.key(), start_seconds=1.0,
+                             sent_at=time.time(), interval_s=2.0, load=EngineLoad(), capacity_tokens_per_s=1.0,
+                             capacity_from="estimates", demand_tokens_per_s=0.0, dcut=snap).model_dump(mode="json")
+
+    c = DCutController(ControllerSettings(), AutoscalingSettings())
+    c.report(report("a", _state(10, 0.9, 30, 3, 2.0)))
+    c.report(report("b", _state(30, 0.5, 10, 1, 4.0)))
+    offer = c.offer_cost_table(fp.key(), "c")
+    assert offer["action"] == "use"
+    learned = LearnedState.model_validate(offer["learned"])
+    assert learned.reached[1] == [40, 40] and learned.realized[0].n == 4
