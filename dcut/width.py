@@ -268,12 +268,12 @@ class RealizedRates:
     accepted drafts). Per cycle the policy also predicted the tokens (from the calibrated
     confidences of the drafts it kept) and the time (from the cost table).
 
-    A width's estimate, once it has ``min_samples`` cycles, is its *predicted* tokens and time,
-    corrected by the bucket's realized/predicted ratios pooled over all widths (``apply``). Two
-    widths measured at different moments are compared on what their drafts' confidences promised,
-    which follows the requests of the moment far less noisily than what one step happened to
-    accept (at bs 1 that swings a width's realized rate by half); the pooled ratios keep the model
-    honest, and the per-width ratios (``summary``) show where it is wrong.
+    A width's estimate, once it has ``min_samples`` cycles, is its *predicted* tokens, corrected by
+    the bucket's realized/predicted tokens ratio pooled over all widths, over its *measured* time
+    (``apply``). Two widths measured at different moments are compared on what their drafts'
+    confidences promised, which follows the requests of the moment far less noisily than what one
+    step happened to accept (at bs 1 that swings a width's realized rate by half); the pooled ratio
+    keeps the model honest, and ``summary`` shows realized beside predicted per width.
 
     Means are long-run (a running mean, then an average over about ``1/weight`` cycles). What a
     width's measurement is worth fades with the cycles since it was taken (``fresh``, half-life
@@ -314,13 +314,16 @@ class RealizedRates:
         return pool[0] / pool[1], pool[2] / pool[3]
 
     def apply(self, bucket: int, choices: Sequence[WidthChoice | None]) -> list[WidthChoice | None]:
-        """``choices`` with each measured width's predicted tokens and time, corrected by the pooled ratios."""
-        tokens_ratio, ms_ratio = self.correction(bucket)
+        """``choices`` with each measured width's predicted tokens corrected by the pooled tokens ratio, and
+        its measured time: a step's time hardly varies with the requests of the moment, and where the cost
+        table is wrong it is wrong per width (a plain step and a drafting one miss by different amounts),
+        which a pooled ratio would hide."""
+        tokens_ratio, _ = self.correction(bucket)
         out: list[WidthChoice | None] = []
         for c in choices:
             cell = None if c is None else self._cells.get((bucket, c.width))
             if c is not None and cell is not None and self._measured(bucket, cell):
-                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * tokens_ratio, cell.predicted_ms * ms_ratio)
+                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * tokens_ratio, cell.ms)
             out.append(c)
         return out
 
