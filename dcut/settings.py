@@ -122,6 +122,9 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = Field(1024, ge=16)
     max_num_batched_tokens: int | None = Field(None, ge=16)
+    async_scheduling: bool | None = Field(None, description="An engine without a drafter: vLLM's asynchronous "
+                                          "scheduling (None: vLLM's default, on). Engines with a drafter run "
+                                          "synchronously here (D-Cut cuts drafts before the next schedule).")
     enforce_eager: bool = Field(False, description="vLLM's default: compiled. True runs eagerly (faster start).")
     seed: int = 0
     served_model_name: str | None = None

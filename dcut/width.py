@@ -306,6 +306,12 @@ class RealizedRates:
         for i, value in enumerate((tokens, predicted_tokens, ms, predicted_ms)):
             pool[i] = pool[i] * (1.0 - self.weight) + value  # discounted sums: recent cycles weigh most
 
+    def charge(self, bucket: int, width: int, ms: float) -> None:
+        """Add ``ms`` to each of a width's recent cycles (work they deferred, paid later by another width)."""
+        cell = self._cells.get((bucket, width))
+        if cell is not None:
+            cell.ms += ms
+
     def correction(self, bucket: int) -> tuple[float, float]:
         """Realized over predicted, tokens and ms, over the bucket's recent cycles of every width."""
         pool = self._pooled.get(bucket)

@@ -25,7 +25,7 @@ from dcut.bench.generate import _build_engine, settings_for_mode, token_ids_sha2
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
-COMPARE_MODES = ("none", "full", "dynamic", "joint", "joint-w0")
+COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0")
 MIN_PROMPTS = 8
 BOOTSTRAP = 2000
 
@@ -39,8 +39,10 @@ class Arm:
 
 
 def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, int, int]] | None) -> list[Arm]:
-    """``none`` (no drafter), ``full`` (every draft verified), ``dynamic`` (vLLM's per-batch-size K, from
-    ``schedule``), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor)."""
+    """``none`` (no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter, synchronous
+    scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every draft
+    verified), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``), ``joint`` (D-Cut as shipped),
+    ``joint-w0`` (joint pinned to width 0: the floor)."""
     arms = []
     for mode in modes:
         if mode == "dynamic":
@@ -52,6 +54,8 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
             s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [0]})})
+        elif mode == "none-sync":
+            s = settings_for_mode("none", base).model_copy(update={"async_scheduling": False})
         elif mode in ("none", "full", "joint"):
             s = settings_for_mode(mode, base)
         else:
@@ -186,7 +190,7 @@ def markdown(record: dict[str, Any]) -> str:
             f"{comp[(m, b)]['verdict']}" for b in sizes) + " |")
     best = []
     for b in sizes:
-        others = [cell[(m, b)]["tokens_per_s"] for m in modes if m not in ("joint", "joint-w0")]
+        others = [cell[(m, b)]["tokens_per_s"] for m in modes if m not in ("joint", "joint-w0", "none-sync")]
         if others and ("joint", b) in cell:
             best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
     lines += ["", "`joint`'s median ÷ the best other mode's median: " + ", ".join(best) + "."]

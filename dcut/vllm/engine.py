@@ -33,6 +33,8 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kw["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.served_model_name:
         kw["served_model_name"] = settings.served_model_name
+    if settings.method == "none" and settings.async_scheduling is not None:
+        kw["async_scheduling"] = settings.async_scheduling
     if settings.method != "none":
         if not settings.draft:
             raise ValueError(f"method {settings.method!r} needs a drafter path (settings.draft)")

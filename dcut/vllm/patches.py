@@ -43,6 +43,7 @@ import functools
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -312,7 +313,9 @@ def _runner_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..
             drafts = torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
         else:
             if stash:
+                start = time.perf_counter()
                 stash.flush(self.drafter.model)  # before the drafter reads its cache
+                state.on_flush((time.perf_counter() - start) * 1000.0)
             if width != scheduler_output.num_spec_tokens_to_schedule:
                 scheduler_output = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=width)
             drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

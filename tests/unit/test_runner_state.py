@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dcut.cost_table import CostTable, Fingerprint
@@ -76,3 +77,17 @@ def test_joint_chooses_a_listed_width_from_the_cost_table():
     assert width == 0 or r.probe
     snap = r.snapshot()
     assert snap.cost_source == "given" and snap.settings.mode == "joint"
+
+
+def test_a_catch_up_flush_is_charged_to_width_zero_not_to_the_drafting_width():
+    clock = [0.0]
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4]), FP, k=4, clock=lambda: clock[0])
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 11.0, 3)]}, draft={2: {0: (0.1, 1), 4: (1.0, 1)}})
+    r.begin_step({q: 1 for q in REQS}, {})
+    r.choose_width(2, 4)
+    r.width = 4
+    clock[0] += 0.005  # 5 ms of deferred drafter writes, then 1 ms drafting
+    r.on_flush(5.0)
+    clock[0] += 0.001
+    r.on_drafted(REQS, torch.zeros(2, 4), None, None)
+    assert r._draft_ms == pytest.approx(1.0)

@@ -193,3 +193,13 @@ def test_noisy_estimates_need_a_clear_lead_to_switch() -> None:
     a, b = WidthChoice(7, 7, 10.0, 10.0), WidthChoice(15, 15, 11.0, 10.0)  # 15 looks 10% better
     assert choose_width([a, b], current=7, hysteresis=0.02).width == 15
     assert choose_width([a, b], current=7, hysteresis=0.02, noise=lambda w: 0.05).width == 7  # within 2 sigma
+
+
+def test_deferred_work_is_charged_to_the_width_that_deferred_it() -> None:
+    rates = RealizedRates(min_samples=1, min_requests=1)
+    rates.add(4, 0, tokens=4.0, ms=4.0, predicted_tokens=4.0, predicted_ms=4.0)
+    rates.charge(4, 0, 2.0)
+    (zero,) = rates.apply(4, [WidthChoice(0, 0, 1.0, 1.0)])
+    assert zero.step_ms == pytest.approx(6.0)
+    rates.charge(4, 7, 2.0)  # an unmeasured width: nothing to charge
+    assert rates.samples(4, 7) == 0
