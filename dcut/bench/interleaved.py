@@ -180,10 +180,11 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append(f"| {m} | " + " | ".join(
             f"{cell[(m, b)]['tokens_per_s']:.0f} [{cell[(m, b)]['ci95'][0]:.0f}–{cell[(m, b)]['ci95'][1]:.0f}]"
             for b in sizes) + " |")
-    lines += ["", "## Each mode ÷ `joint`, paired by round: median [95% interval], verdict", "", head]
     comp = {(c["mode"], c["bs"]): c for c in record["comparisons"]}
+    if comp:
+        lines += ["", "## Each mode ÷ `joint`, paired by round: median [95% interval], verdict", "", head]
     for m in modes:
-        if m == "joint":
+        if m == "joint" or not comp:
             continue
         lines.append(f"| {m} | " + " | ".join(
             f"{comp[(m, b)]['ratio_to_joint']:.2f} [{comp[(m, b)]['ci95'][0]:.2f}–{comp[(m, b)]['ci95'][1]:.2f}] "
@@ -193,7 +194,8 @@ def markdown(record: dict[str, Any]) -> str:
         others = [cell[(m, b)]["tokens_per_s"] for m in modes if m not in ("joint", "joint-w0", "none-sync")]
         if others and ("joint", b) in cell:
             best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
-    lines += ["", "`joint`'s median ÷ the best other mode's median: " + ", ".join(best) + "."]
+    if best:
+        lines += ["", "`joint`'s median ÷ the best other mode's median: " + ", ".join(best) + "."]
     if "joint-w0" in modes and "none" in modes:
         floor = [f"bs {b}: {cell[('joint-w0', b)]['tokens_per_s'] / cell[('none', b)]['tokens_per_s']:.3f}"
                  for b in sizes]

@@ -62,3 +62,13 @@ def test_a_differing_output_is_reported():
                                            for r in _runs({"none": [1.0, 1.0]})]
     cells, _ = _summaries(runs, arms_for(EngineSettings(), ["none", "joint"], None), [8], np.random.default_rng(0))
     assert [c["identical_to_none"] for c in cells] == [True, False]
+
+
+def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
+    runs = _runs({"none": [100.0, 101.0], "joint-w0": [90.0, 91.0]})
+    arms = arms_for(EngineSettings(), ["none", "joint-w0"], None)
+    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    record = {"batch_sizes": [8], "modes": ["none", "joint-w0"], "cells": cells, "comparisons": comparisons,
+              "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
+              "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
+    assert comparisons == [] and "plain decoding (medians): bs 8: 0.900" in markdown(record)
