@@ -36,6 +36,7 @@ from dcut.selection import prefix_scores
 DEFAULT_WIDTHS = (0, 1, 2, 3, 5, 7, 11, 15)
 EXPLORE_SHARE = 0.2  # at most this share of step time tries widths that might beat the current choice
 OPTIMISM = 1.5  # upper confidence bound, in standard errors, on an unmeasured width's acceptance
+SHRINK_REQUESTS = 256  # requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled
 EXPLORE_REQUESTS = 32  # a width measured on this many fresh requests at a batch size is judged on its rate alone
 
 
@@ -269,9 +270,9 @@ class RealizedRates:
     confidences of the drafts it kept) and the time (from the cost table).
 
     A width's estimate, once it has ``min_samples`` cycles, is its *predicted* tokens, corrected by
-    the bucket's realized/predicted tokens ratio pooled over all widths, over its *measured* time
-    (``apply``). Two widths measured at different moments are compared on what their drafts'
-    confidences promised, which follows the requests of the moment far less noisily than what one
+    its realized/predicted tokens ratio shrunk towards the bucket's ratio pooled over all widths (by
+    how many requests it rests on), over its *measured* time (``apply``). Two widths measured at
+    different moments are compared on what their drafts' confidences promised, which follows the requests of the moment far less noisily than what one
     step happened to accept (at bs 1 that swings a width's realized rate by half); the pooled ratio
     keeps the model honest, and ``summary`` shows realized beside predicted per width.
 
@@ -324,12 +325,16 @@ class RealizedRates:
         its measured time: a step's time hardly varies with the requests of the moment, and where the cost
         table is wrong it is wrong per width (a plain step and a drafting one miss by different amounts),
         which a pooled ratio would hide."""
-        tokens_ratio, _ = self.correction(bucket)
+        pooled, _ = self.correction(bucket)
         out: list[WidthChoice | None] = []
         for c in choices:
             cell = None if c is None else self._cells.get((bucket, c.width))
             if c is not None and cell is not None and self._measured(bucket, cell):
-                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * tokens_ratio, cell.ms)
+                # The width's own realized/predicted ratio, shrunk towards the pooled one by how few requests
+                # it rests on: at bs 64 a few cycles say what the width's drafts deliver; at bs 1 they do not.
+                own = min(cell.n, 1.0 / self.weight) * bucket
+                ratio = (own * cell.tokens / cell.predicted_tokens + SHRINK_REQUESTS * pooled) / (own + SHRINK_REQUESTS)
+                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * ratio, cell.ms)
             out.append(c)
         return out
 

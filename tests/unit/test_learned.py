@@ -38,11 +38,11 @@ class Recording(RunnerPolicy):
 @pytest.fixture(scope="module")
 def case():
     torch.set_num_threads(1)
-    return custom_case(DATA / "deep-small.npz", DATA / "deep-small-costs.json", "8")
+    return custom_case(DATA / "deep-small.npz", DATA / "deep-small-costs.json", "4")
 
 
 def test_a_second_replica_starts_with_the_first_ones_choice(case):
-    pools, bs = Pools(case.trace), 8
+    pools, bs = Pools(case.trace), 4
     clock = SimClock()
     first = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
     run_cell(first, bs, pools, case.cost, steps=300, warmup=0, clock=clock)
