@@ -272,9 +272,10 @@ class RealizedRates:
     A width's estimate, once it has ``min_samples`` cycles, is its *predicted* tokens, corrected by
     its realized/predicted tokens ratio shrunk towards the bucket's ratio pooled over all widths (by
     how many requests it rests on), over its *measured* time (``apply``). Two widths measured at
-    different moments are compared on what their drafts' confidences promised, which follows the requests of the moment far less noisily than what one
-    step happened to accept (at bs 1 that swings a width's realized rate by half); the pooled ratio
-    keeps the model honest, and ``summary`` shows realized beside predicted per width.
+    different moments are compared on what their drafts' confidences promised, which follows the
+    requests of the moment far less noisily than what one step happened to accept (at bs 1 that
+    swings a width's realized rate by half); the pooled ratio keeps the model honest, and
+    ``summary`` shows realized beside predicted per width.
 
     Means are long-run (a running mean, then an average over about ``1/weight`` cycles). What a
     width's measurement is worth fades with the cycles since it was taken (``fresh``, half-life
