@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from dcut.bench.interleaved import COMPARE_MODES
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, engine_settings, parse_schedule
+from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, engine_settings, parse_schedule
 from dcut.prompts import DEFAULT_PROMPTS, load_prompts
 
 HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0: medians, 95% intervals, verdicts."
@@ -33,18 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dcut.bench.interleaved import compare, markdown
 
-    try:
-        sizes = sorted({int(b) for b in args.bs.split(",") if b.strip()})
-    except ValueError as e:
-        raise CommandError(f"--bs: {e}") from e
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(COMPARE_MODES))
-    if unknown or not modes:
-        raise CommandError(f"unknown modes {unknown}; choose from {', '.join(COMPARE_MODES)}")
+    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES)
     if "dynamic" in modes and not args.dynamic_schedule:
         raise CommandError("mode dynamic needs --dynamic-schedule")
-    if args.repeats < 2 or not sizes or sizes[0] < 1 or args.max_tokens < 1:
-        raise CommandError("--repeats must be >= 2, --bs and --max-tokens positive")
+    if args.repeats < 2 or args.max_tokens < 1:
+        raise CommandError("--repeats must be >= 2 and --max-tokens positive")
     try:
         prompts = load_prompts(args.prompts)
         base = engine_settings(args)

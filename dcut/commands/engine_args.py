@@ -57,6 +57,21 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="run eagerly (vLLM's default, used otherwise, compiles: slower start, faster steps)")
 
 
+def batch_sizes_and_modes(bs: str, modes: str, allowed: tuple[str, ...]) -> tuple[list[int], list[str]]:
+    """``--bs`` (positive integers, sorted, unique) and ``--modes`` (each one of ``allowed``), or a CommandError."""
+    try:
+        sizes = sorted({int(b) for b in bs.split(",") if b.strip()})
+    except ValueError as e:
+        raise CommandError(f"--bs: {e}") from e
+    if not sizes or sizes[0] < 1:
+        raise CommandError("--bs must be positive integers")
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = sorted(set(chosen) - set(allowed))
+    if unknown or not chosen:
+        raise CommandError(f"unknown modes {unknown}; choose from {', '.join(allowed)}")
+    return sizes, chosen
+
+
 def parse_schedule(text: str) -> list[tuple[int, int, int]]:
     """'1-4:15,5-16:7' -> [(1, 4, 15), (5, 16, 7)]."""
     try:

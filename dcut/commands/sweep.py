@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from dcut.bench.sweep import REPEATS, SWEEP_MODES, SweepError, sweep
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, engine_settings
+from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, engine_settings
 from dcut.prompts import DEFAULT_PROMPTS, load_prompts
 
 HELP = "Batch-size sweep of none/full/dynamic/per_request/auto/continuous/joint; table, JSON and plots."
@@ -26,18 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        sizes = sorted({int(b) for b in args.bs.split(",") if b.strip()})
-    except ValueError as e:
-        raise CommandError(f"--bs: {e}") from e
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = sorted(set(modes) - set(SWEEP_MODES))
-    if unknown or not modes:
-        raise CommandError(f"unknown modes {unknown}; choose from {', '.join(SWEEP_MODES)}")
+    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, SWEEP_MODES)
     if args.repeats < 1:
         raise CommandError("--repeats must be >= 1")
-    if not sizes or sizes[0] < 1:
-        raise CommandError("--bs must be positive integers")
     try:
         prompts = load_prompts(args.prompts)
         base = engine_settings(args)
