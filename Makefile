@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test test-unit serve lint sweep loadtest loadtest-quick
+.PHONY: setup test test-unit serve lint sweep replay compare loadtest loadtest-quick
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -46,6 +46,13 @@ sweep: $(STAMP)
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/sweep
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/sweep-moe
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 64 --repeats 2 --pair deep --out docs/sweep-deep
+
+replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic (~25 s): docs/replay
+	$(VENV)/bin/dcut replay --out docs/replay
+
+compare: $(STAMP)  # the interleaved live comparison of the deep pair (~12 min): docs/compare-deep
+	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \
+		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --out docs/compare-deep
 
 loadtest: $(STAMP)
 	$(PY) -m loadtest.run --out docs/loadtest
