@@ -28,6 +28,9 @@ BASE = f"http://127.0.0.1:{PORT}"
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "tiny"
+# A request that must still be running when the test acts on it (a disconnect, a kill): the tiny pair decodes
+# 240 tokens in under a second, and replicas report every second, so one that short could finish unseen.
+LONG = 1000
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -37,7 +40,7 @@ def _args(models: dict, cache_dir, **replica) -> dict:
             "cache_dir": str(cache_dir)}
     return {
         "engine": {"model": str(models["target"]), "draft": str(models["dflash"]), "method": "dflash",
-                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 256, "enforce_eager": True,
+                   "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 1024, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
         "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "profile_wait_s": 300,
                            "engine_cls": "tests.fault_engine:FaultyEngine",
@@ -246,7 +249,7 @@ def _wait_aborted(client, before: int) -> None:
 
 def test_client_disconnect_aborts_engine_request(client):
     aborted = _aborted(client)
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -258,7 +261,7 @@ def test_client_disconnect_aborts_engine_request(client):
 def test_client_disconnect_aborts_non_streaming_request(client):
     """The client gives up on a non-streaming request while the engine generates it: the engine aborts it."""
     aborted = _aborted(client)
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": LONG, "ignore_eos": True}
 
     async def give_up():
         async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
@@ -575,9 +578,9 @@ def test_replica_sigkill_under_load(client):
 
     async def drill():
         async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
-            # warmup 0.2 s: the probe (at most ~240 tokens here) must still be streaming when the kill comes
-            return await kill_drill(c, MODEL, users=2, max_tokens=16, warmup_s=0.2, load_s=8, timeout_s=60,
-                                    until_replaced=False)
+            # warmup 0.2 s: the probe (LONG tokens) must still be streaming when the kill comes
+            return await kill_drill(c, MODEL, users=2, max_tokens=16, probe_tokens=LONG, warmup_s=0.2, load_s=8,
+                                    timeout_s=60, until_replaced=False)
 
     report = asyncio.run(drill())
     print(f"replica SIGKILL: {report}, retries {_metric('ray_dcut_ingress_retries_total')}")
