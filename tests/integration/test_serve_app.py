@@ -177,7 +177,7 @@ def test_bad_requests(client):
     _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -3}), 400)
     _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "temperature": "hot"}), 400)
     _error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": "not a list"}), 400)
-    err = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello " * 400,
+    err = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello " * 1200,
                                                       "max_tokens": 4}), 400)
     assert "context length" in err["message"]
     _error(client.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}), 404)
