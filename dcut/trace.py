@@ -73,13 +73,6 @@ class Trace:
             return cls(int(z["k"]), z["step_bs"], z["step_width"], z["verify_ms"], z["draft_ms"], z["overhead_ms"],
                        z["step_offsets"], z["ctx_len"], z["accepted"], z["log_conf"], json.loads(str(z["meta"])))
 
-    def head(self, steps: int) -> Trace:
-        """The first ``steps`` steps (a small trace for tests)."""
-        rows = int(self.step_offsets[steps])
-        return Trace(self.k, self.step_bs[:steps], self.step_width[:steps], self.verify_ms[:steps],
-                     self.draft_ms[:steps], self.overhead_ms[:steps], self.step_offsets[: steps + 1],
-                     self.ctx_len[:rows], self.accepted[:rows], self.log_conf[:rows], dict(self.meta))
-
     @classmethod
     def concat(cls, traces: list[Trace], meta: dict[str, Any] | None = None) -> Trace:
         """One trace of several, steps in order (all of the same ``k``)."""
