@@ -326,13 +326,18 @@ class EngineOverhead:
 
     def _fit(self) -> None:
         data = np.asarray(self._samples)
-        x, y = data[:, 0], data[:, 1]
-        if len(data) >= 8 and np.ptp(x) > 0.2 * x.mean():
-            slope, intercept = np.polyfit(x, y, 1)
-            if slope >= 0 and intercept >= 0:
-                self.per_step_ms, self.per_token_ms = float(intercept), float(slope)
-                return
-        self.per_step_ms, self.per_token_ms = 0.0, float(np.median(y / x))
+        self.per_step_ms, self.per_token_ms = linear_fit(data[:, 0], data[:, 1], min_points=8, min_spread=0.2)
+
+
+def linear_fit(x: np.ndarray, y: np.ndarray, min_points: int = 2, min_spread: float = 0.0) -> tuple[float, float]:
+    """Least-squares ``y = a + b x`` with both terms non-negative, where there are ``min_points`` points whose
+    ``x`` spans more than ``min_spread`` of its mean; otherwise (or if a term would be negative) ``a = 0`` and
+    ``b`` the median of ``y / x``."""
+    if len(x) >= min_points and np.ptp(x) > min_spread * np.mean(x):
+        b, a = np.polyfit(x, y, 1)
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+    return 0.0, float(np.median(y / np.maximum(x, 1e-9)))
 
 
 class StepCost:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dcut.cost_table import CostTable
-from dcut.replay.costs import CostModel, linear_fit
+from dcut.cost_table import CostTable, linear_fit
+from dcut.replay.costs import CostModel
 from dcut.replay.report import Case
 from dcut.trace import Trace
 

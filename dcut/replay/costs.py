@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from dcut.cost_table import CostTable
 
 
@@ -93,11 +91,3 @@ class CostModel:
     def load(cls, path: str | Path, name: str | None = None) -> CostModel:
         return cls.from_json(json.loads(Path(path).read_text()), name)
 
-
-def linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Least-squares ``y = a + b x`` with both terms kept non-negative."""
-    if len(x) >= 2 and np.ptp(x) > 0:
-        b, a = np.polyfit(x, y, 1)
-        if a >= 0 and b >= 0:
-            return float(a), float(b)
-    return 0.0, float(np.median(y / np.maximum(x, 1e-9)))
