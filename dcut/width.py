@@ -102,10 +102,13 @@ class WidthStats:
         self.reached[i] += reached.to(torch.float64)
         self.accepted[i] += accepted.to(torch.float64)
         self._survival = {}
-        top = float(self.reached[i].max())
-        if top > self.cap:
-            self.reached[i] *= self.cap / top
-            self.accepted[i] *= self.cap / top
+        self._cap()
+
+    def _cap(self) -> None:
+        """Scale a width's counts down together where they pass ``cap`` (so the estimate follows the workload)."""
+        scale = self.cap / self.reached.max(dim=1, keepdim=True).values.clamp(min=self.cap)
+        self.reached *= scale
+        self.accepted *= scale
 
     def observe_scores(self, width: int, gains: Tensor, requests: int, weight: float = 0.02) -> None:
         """Fold in one drafted block's ``marginal_gains`` (``[width]``, from calibrated confidences).
@@ -128,9 +131,7 @@ class WidthStats:
         """Take over counts and gains learned elsewhere (``dcut.learned``), capped like this stats' own."""
         self.reached = torch.tensor(reached, dtype=torch.float64)
         self.accepted = torch.tensor(accepted, dtype=torch.float64)
-        top = self.reached.max(dim=1, keepdim=True).values.clamp(min=self.cap) / self.cap
-        self.reached /= top
-        self.accepted /= top
+        self._cap()
         self.expected = torch.tensor(expected, dtype=torch.float64)
         self.expected_requests = torch.tensor(expected_requests, dtype=torch.float64)
         self._survival = {}
@@ -401,20 +402,37 @@ class RealizedRates:
                 for (b, w), c in sorted(self._cells.items())}
 
 
-class Explorer:
+class _StepCredit:
+    """A credit of ``share`` of a step earned per step, spent on steps other than the chosen one at their
+    time in units of the chosen step's (at least one), so they take at most ``share`` of the time."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.credit = 0.0
+
+    def _spend(self, chosen: WidthChoice, cost: float | None) -> bool:
+        """Pay for a step costing ``cost`` ms (None: unknown, one chosen step) if the credit covers it."""
+        price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
+        if self.credit < price:
+            return False
+        self.credit -= price
+        return True
+
+
+class Explorer(_StepCredit):
     """Tries widths that might beat the current choice, paid from a credit of ``share`` of the steps.
 
     A width is a candidate while its optimistic tokens/s (``RealizedRates.optimistic`` over an
     optimistic model) beats the chosen width's and it has been measured on fewer than ``requests``
     fresh requests at this batch size (``samples``); an exploring step drafts it and verifies as the
     policy would, so what it delivers is what the width is worth. The most promising candidate goes
-    first; a dear one waits until the credit covers its step. Candidates run out as measurements tighten the bounds, and
-    then nothing is spent: exploration is a phase, not a tax.
+    first; a dear one waits until the credit covers its step. Candidates run out as measurements
+    tighten the bounds, and then nothing is spent: exploration is a phase, not a tax.
     """
 
     def __init__(self, share: float = EXPLORE_SHARE, requests: int = EXPLORE_REQUESTS) -> None:
-        self.share, self.requests = share, requests
-        self.credit = 0.0
+        super().__init__(share)
+        self.requests = requests
 
     def pick(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
              samples: Callable[[int], float], step_ms: Callable[[int], float | None]) -> int | None:
@@ -426,15 +444,10 @@ class Explorer:
             return None
         self.credit += self.share
         _, width = max(candidates)
-        cost = step_ms(width)
-        price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
-        if self.credit < price:
-            return None
-        self.credit -= price
-        return width
+        return width if self._spend(chosen, step_ms(width)) else None
 
 
-class ProbeBudget:
+class ProbeBudget(_StepCredit):
     """Occasional probe steps, paid from a credit of ``share`` of the steps taken.
 
     A probe drafts a width other than the chosen one and verifies all of it, so acceptance at
@@ -445,9 +458,8 @@ class ProbeBudget:
     """
 
     def __init__(self, widths: Sequence[int], share: float) -> None:
+        super().__init__(share)
         self.widths = list(widths)
-        self.share = share
-        self.credit = 0.0
         self._next = 0
 
     def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
@@ -462,10 +474,7 @@ class ProbeBudget:
             return None
         rotated = candidates[self._next % len(candidates):] + candidates[: self._next % len(candidates)]
         width = min(rotated, key=samples) if samples is not None else rotated[0]
-        cost = full_step_ms(width)
-        price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
-        if self.credit < price:
+        if not self._spend(chosen, full_step_ms(width)):
             return None
-        self.credit -= price
         self._next += 1
         return width
