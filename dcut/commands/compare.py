@@ -6,12 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from dcut.bench.interleaved import COMPARE_MODES
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, engine_settings, parse_schedule
-from dcut.prompts import DEFAULT_PROMPTS, load_prompts
+from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
+from dcut.prompts import DEFAULT_PROMPTS
 
 HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0: medians, 95% intervals, verdicts."
 
@@ -38,11 +36,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("mode dynamic needs --dynamic-schedule")
     if args.repeats < 2 or args.max_tokens < 1:
         raise CommandError("--repeats must be >= 2 and --max-tokens positive")
-    try:
-        prompts = load_prompts(args.prompts)
-        base = engine_settings(args)
-    except (ValueError, FileNotFoundError, ValidationError) as e:
-        raise CommandError(str(e)) from e
+    prompts, base = prompts_and_engine(args)
     record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from dcut.cli import CommandError
+from dcut.prompts import load_prompts
 from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings, engine_env
 
 # Flags that set a field of EngineSettings / DCutSettings: unset flags stay None, so the pydantic
@@ -55,6 +56,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="--mode joint: the widths it may draft, e.g. 0 to pin width 0 (default 0,1,2,3,5,7,11,15)")
     parser.add_argument("--enforce-eager", action="store_true", default=None,
                         help="run eagerly (vLLM's default, used otherwise, compiles: slower start, faster steps)")
+
+
+def prompts_and_engine(args: argparse.Namespace, need_draft: bool = True) -> tuple[list[str], EngineSettings]:
+    """``--prompts`` read and the engine flags validated (``engine_settings``), or a CommandError saying why."""
+    try:
+        return load_prompts(args.prompts), engine_settings(args, need_draft=need_draft)
+    except (ValueError, FileNotFoundError, ValidationError) as e:
+        raise CommandError(str(e)) from e
 
 
 def batch_sizes_and_modes(bs: str, modes: str, allowed: tuple[str, ...]) -> tuple[list[int], list[str]]:

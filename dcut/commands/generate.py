@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from pydantic import ValidationError
-
 from dcut.bench.generate import GENERATE_MODES, generate, settings_for_mode
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, engine_settings
-from dcut.prompts import DEFAULT_PROMPTS, load_prompts
+from dcut.commands.engine_args import add_engine_flags, prompts_and_engine
+from dcut.prompts import DEFAULT_PROMPTS
 
 HELP = "Generate offline with vLLM (modes none/full/fixed/auto/continuous) and report the figures."
 
@@ -33,11 +31,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--batch-size: {e}") from e
     if not batch_sizes or min(batch_sizes) < 1 or args.max_tokens < 1:
         raise CommandError("--batch-size and --max-tokens must be >= 1")
-    try:
-        prompts = load_prompts(args.prompts)
-        settings = settings_for_mode(args.mode, engine_settings(args, need_draft=args.mode != "none"))
-    except (ValueError, FileNotFoundError, ValidationError) as e:
-        raise CommandError(str(e)) from e
+    prompts, base = prompts_and_engine(args, need_draft=args.mode != "none")
+    settings = settings_for_mode(args.mode, base)
     for result in generate(settings, prompts, batch_sizes, args.max_tokens, temperature=args.temperature):
         if args.json:  # one object per batch size (one line each)
             print(json.dumps(result), flush=True)

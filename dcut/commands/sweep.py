@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from dcut.bench.sweep import REPEATS, SWEEP_MODES, SweepError, sweep
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, engine_settings
-from dcut.prompts import DEFAULT_PROMPTS, load_prompts
+from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, prompts_and_engine
+from dcut.prompts import DEFAULT_PROMPTS
 
 HELP = "Batch-size sweep of none/full/dynamic/per_request/auto/continuous/joint; table, JSON and plots."
 
@@ -29,11 +27,7 @@ def run(args: argparse.Namespace) -> int:
     sizes, modes = batch_sizes_and_modes(args.bs, args.modes, SWEEP_MODES)
     if args.repeats < 1:
         raise CommandError("--repeats must be >= 1")
-    try:
-        prompts = load_prompts(args.prompts)
-        base = engine_settings(args)
-    except (ValueError, FileNotFoundError, ValidationError) as e:
-        raise CommandError(str(e)) from e
+    prompts, base = prompts_and_engine(args)
     try:
         record = sweep(base, sizes, modes, prompts, args.max_tokens, Path(args.out), repeats=args.repeats)
     except SweepError as e:

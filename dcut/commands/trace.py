@@ -6,11 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, engine_settings
-from dcut.prompts import DEFAULT_PROMPTS, load_prompts
+from dcut.commands.engine_args import add_engine_flags, prompts_and_engine
+from dcut.prompts import DEFAULT_PROMPTS
 
 HELP = "Record replay traces (confidences and true acceptance per width, step timings) for `dcut replay`."
 
@@ -31,10 +29,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
         widths = sorted({int(w) for w in args.trace_widths.split(",") if w.strip()})
-        prompts = load_prompts(args.prompts)[: args.limit]
-        settings = engine_settings(args)
-    except (ValueError, FileNotFoundError, ValidationError) as e:
+    except ValueError as e:
         raise CommandError(str(e)) from e
+    prompts, settings = prompts_and_engine(args)
+    prompts = prompts[: args.limit]
     if not sizes or sizes[0] < 1 or not widths or widths[0] < 1 or args.max_tokens < 1:
         raise CommandError("--batch-sizes, --trace-widths and --max-tokens must be >= 1")
     if any(w > settings.num_speculative_tokens for w in widths):
