@@ -14,17 +14,25 @@ from ray.serve import Application
 
 from app.config import AppConfig
 from deployments.controller import DCutController
+from deployments.engine import Engine
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import Ingress
 from deployments.settings import actor_options
+from deployments.vllm_engine import VLLMEngine
 
 
-def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
-    """The ``import_path`` target of ``serve run app.config.yaml`` (``args`` is the config's ``args``)."""
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The ``import_path`` target of ``serve run app.config.yaml`` (``args`` is the config's ``args``): the app
+    on vLLM engines. Serve calls a builder with exactly one argument, so the engine is chosen in ``compose_app``."""
+    return compose_app(args)
+
+
+def compose_app(args: dict[str, Any] | AppConfig | None = None, engine_cls: type[Engine] = VLLMEngine) -> Application:
+    """The application of ``args`` on ``engine_cls`` engines: tests pass one that fails on purpose, or a mock
+    without vLLM."""
     cfg = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     rs = cfg.engine_replica
 
-    routing = rs.routing.serve_config()
     controller = serve.deployment(DCutController, name="DCutController", num_replicas=1,
                                   ray_actor_options=actor_options(cfg.controller.num_cpus, cfg.controller.resources),
                                   max_ongoing_requests=1000).bind(cfg.controller, rs.autoscaling)
@@ -36,8 +44,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         health_check_period_s=10, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=rs.graceful_shutdown_wait_loop_s,
-        **({"request_router_config": routing} if routing else {}),
-    ).bind(cfg.engine, rs, controller)
+    ).bind(cfg.engine, rs, controller, engine_cls=engine_cls)
     # The ingress drains as long as the replicas it forwards to, so `serve shutdown` cuts no request short.
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1,
                                ray_actor_options=actor_options(cfg.ingress.num_cpus, cfg.ingress.resources),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-AUTO_RATIOS = (0.25, 0.5, 0.75, 1.0)
+REFERENCE_RATIOS = (0.25, 0.5, 0.75, 1.0)  # mode reference's four buckets
 
 
 def bucket_budget(ratio: float, bs: int, k: int) -> int:

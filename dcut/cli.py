@@ -16,7 +16,6 @@ COMMANDS = {
     "generate": "dcut.commands.generate",
     "sweep": "dcut.commands.sweep",
     "specexit": "dcut.commands.specexit",
-    "train": "dcut.commands.train",
     "trace": "dcut.commands.trace",
     "replay": "dcut.commands.replay",
     "compare": "dcut.commands.compare",

@@ -13,7 +13,6 @@ import json
 import os
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,14 +22,14 @@ from pydantic import BaseModel, ConfigDict
 from tqdm import tqdm
 
 import dcut
-from dcut.buckets import AUTO_RATIOS, bucket_budget
+from dcut.buckets import REFERENCE_RATIOS, bucket_budget
 from dcut.machine import cpu_model
 
 if TYPE_CHECKING:  # tables are read by the Serve control plane too (controller, ingress), which loads no torch
     import torch
     from torch import Tensor
 
-PROFILE_RATIOS = (0.0, *AUTO_RATIOS)  # 0.0: a plain decode step, no drafts
+PROFILE_RATIOS = (0.0, *REFERENCE_RATIOS)  # 0.0: a plain decode step, no drafts
 
 
 class Fingerprint(BaseModel):
@@ -296,50 +295,6 @@ class CostTable:
         return table
 
 
-class EngineOverhead:
-    """The engine's time per step outside the model (scheduling, bookkeeping, detokenising the
-    outputs), as ``a + b * tokens emitted``, fitted by least squares on recent steps.
-
-    Measured between the end of one step's drafting and the start of the next step. Samples are
-    clipped to ``max_ms`` (an idle engine, a pause between requests, is not overhead); the fit is
-    redone every ``refit`` samples and kept non-negative; with too little spread in tokens it is a
-    single per-token rate.
-    """
-
-    def __init__(self, window: int = 256, refit: int = 16, max_ms: float = 50.0) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self.refit, self.max_ms = refit, max_ms
-        self.per_step_ms, self.per_token_ms = 0.0, 0.0
-        self._since = 0
-
-    def add(self, tokens: int, ms: float) -> None:
-        if tokens <= 0 or not 0.0 <= ms <= self.max_ms:
-            return
-        self._samples.append((float(tokens), ms))
-        self._since += 1
-        if self._since >= self.refit or len(self._samples) < self.refit:
-            self._since = 0
-            self._fit()
-
-    def ms(self, tokens: float | np.ndarray) -> float | np.ndarray:
-        return self.per_step_ms + self.per_token_ms * tokens
-
-    def _fit(self) -> None:
-        data = np.asarray(self._samples)
-        self.per_step_ms, self.per_token_ms = linear_fit(data[:, 0], data[:, 1], min_points=8, min_spread=0.2)
-
-
-def linear_fit(x: np.ndarray, y: np.ndarray, min_points: int = 2, min_spread: float = 0.0) -> tuple[float, float]:
-    """Least-squares ``y = a + b x`` with both terms non-negative, where there are ``min_points`` points whose
-    ``x`` spans more than ``min_spread`` of its mean; otherwise (or if a term would be negative) ``a = 0`` and
-    ``b`` the median of ``y / x``."""
-    if len(x) >= min_points and np.ptp(x) > min_spread * np.mean(x):
-        b, a = np.polyfit(x, y, 1)
-        if a >= 0 and b >= 0:
-            return float(a), float(b)
-    return 0.0, float(np.median(y / np.maximum(x, 1e-9)))
-
-
 class StepCost:
     """A whole step's cost, as the verify-budget choice needs it (``dcut.selection.CostLookup``):
     verifying ``tokens`` plus the drafter's pass at ``width`` (already paid, but part of the step
@@ -417,3 +372,11 @@ def _differences(want: Fingerprint, got: Fingerprint) -> str:
     mine, theirs = want.model_dump(), got.model_dump()
     return "; ".join(f"{name}: wanted {mine[name]!r}, table has {theirs[name]!r}"
                      for name in mine if mine[name] != theirs[name])
+
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
+
+
+def cached_table_path(cache_dir: str | None, key: str) -> Path:
+    """Where an engine caches the table of fingerprint ``key`` (``DCutSettings.cache_dir``, else the default)."""
+    return (Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR) / f"{key}.json"

@@ -30,7 +30,7 @@ def plot_cost_table(table_json: dict[str, Any], out: Path, title: str = "") -> P
 
 
 def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
-    """Throughput relative to plain decoding against batch size, one line per mode."""
+    """Throughput relative to no speculation (``none``) against batch size, one line per mode."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     for mode in modes:
@@ -39,8 +39,8 @@ def plot_speedup(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("batch size")
-    ax.set_ylabel("throughput / plain decoding")
-    return _finish(fig, ax, out, title or "Speedup vs plain decoding")
+    ax.set_ylabel("throughput / none (no speculation)")
+    return _finish(fig, ax, out, title or "Speedup vs no speculation (none)")
 
 
 def _finish(fig: plt.Figure, ax: plt.Axes, out: Path, title: str) -> Path:

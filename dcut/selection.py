@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from dcut.buckets import AUTO_RATIOS, bucket_budget
+from dcut.buckets import REFERENCE_RATIOS, bucket_budget
 from dcut.settings import DCutSettings
 
 
@@ -75,7 +75,7 @@ class Decision:
     kept: int | Tensor  # == budget: the budget is capped at the drafts with a positive score
     proposed: int | Tensor  # drafts proposed across the batch
     expected_accepted: Tensor  # sum of kept prefix scores [+ bs if count_bonus]
-    candidates: Tensor | None = None  # budgets evaluated, largest first (auto: 4; continuous: bs*K..0)
+    candidates: Tensor | None = None  # budgets evaluated, largest first (reference: 4; continuous: bs*K..0)
     utilities: Tensor | None = None  # U per candidate (-inf where not available)
     chosen: Tensor | None = None  # index into candidates
     fallback: bool = False  # no cost covered this batch size
@@ -169,8 +169,8 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
         return _fixed(settings.fixed_ratio, "fixed", False, bs, k, proposed, available, order, gains, bonus)
     # Candidates are in descending order: argmax returns the first maximum, so ties go to the
     # larger budget (on a flat step of the staircase, fill the execution bucket already paid for).
-    if settings.mode == "auto":
-        candidates = torch.minimum(_auto_budgets(bs, k, device), available)
+    if settings.mode == "reference":
+        candidates = torch.minimum(_reference_budgets(bs, k, device), available)
         step_ms = None if cost is None else cost.costs(bs, candidates + bs)
     else:  # continuous and joint: every budget bs*K..0 on the cost staircase
         candidates = _budgets_down(bs * k, 0, device)
@@ -180,15 +180,15 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
                       gains, bonus)
 
     utilities = _plus(torch.take(gains, candidates), bonus) / step_ms
-    if settings.mode != "auto":
+    if settings.mode != "reference":
         utilities.masked_fill_(candidates > available, -math.inf)
     chosen = torch.argmax(utilities)
     budget = torch.take(candidates, chosen)  # take: indexing by a 0-dim tensor would sync
-    ratio = torch.take(_auto_ratios(device), chosen) if settings.mode == "auto" else None
+    ratio = torch.take(_reference_ratios(device), chosen) if settings.mode == "reference" else None
     if settings.min_saving > 0.0:
-        # Full width is the first candidate of auto (ratio 1, capped) and budget `available` of
+        # Full width is the first candidate of reference (ratio 1, capped) and budget `available` of
         # continuous.
-        full_ms = step_ms[0] if settings.mode == "auto" else torch.take(step_ms, bs * k - available)
+        full_ms = step_ms[0] if settings.mode == "reference" else torch.take(step_ms, bs * k - available)
         too_dear = torch.take(step_ms, chosen) > (1.0 - settings.min_saving) * full_ms
         budget = torch.where(too_dear, available, budget)
         if ratio is not None:
@@ -248,11 +248,11 @@ def _budgets_down(top: int, bottom: int, device: torch.device) -> Tensor:
                    lambda: torch.arange(top, bottom - 1, -1, device=device))
 
 
-def _auto_budgets(bs: int, k: int, device: torch.device) -> Tensor:
+def _reference_budgets(bs: int, k: int, device: torch.device) -> Tensor:
     """The four buckets' budgets, largest ratio first."""
-    return _cached(("auto", bs, k, device), lambda: torch.tensor(
-        [bucket_budget(r, bs, k) for r in reversed(AUTO_RATIOS)], dtype=torch.int64, device=device))
+    return _cached(("reference", bs, k, device), lambda: torch.tensor(
+        [bucket_budget(r, bs, k) for r in reversed(REFERENCE_RATIOS)], dtype=torch.int64, device=device))
 
 
-def _auto_ratios(device: torch.device) -> Tensor:
-    return _cached(("ratios", device), lambda: torch.tensor(AUTO_RATIOS[::-1], device=device))
+def _reference_ratios(device: torch.device) -> Tensor:
+    return _cached(("ratios", device), lambda: torch.tensor(REFERENCE_RATIOS[::-1], device=device))

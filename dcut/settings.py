@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dcut.specexit import SpecExitSettings
 
-Mode = Literal["full", "fixed", "auto", "continuous", "per_request", "joint"]
+Mode = Literal["full", "fixed", "reference", "continuous", "per_request", "joint"]
 ZeroWidth = Literal["catch_up", "vllm"]
+# Old mode names, refused with the new one named (no silent alias): a config written for the old name says so.
+RENAMED_MODES = {"auto": "reference"}
+
+
+def renamed_mode(name: object) -> str | None:
+    """Why ``name`` is no longer a mode (it was renamed), or None."""
+    new = RENAMED_MODES.get(name) if isinstance(name, str) else None
+    return None if new is None else (f"mode {name!r} was renamed to {new!r} (the reference paper's rule: keep "
+                                     f"ratio 25/50/75/100% chosen by U); write mode: {new}")
 
 
 class DCutSettings(BaseModel):
@@ -20,14 +29,16 @@ class DCutSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Mode = Field("auto", description="full: verify every draft; fixed: a global keep ratio; auto: the four "
-                       "reference buckets; continuous: any budget on the measured cost staircase; "
-                       "per_request: the same number of drafts for every request (a baseline); "
-                       "joint: choose the drafted width each step, then the verify budget (dcut.width).")
+    mode: Mode = Field("joint", description="joint (the default, what every config ships): choose the drafted "
+                       "width each step, then the verify budget (dcut.width); full: verify every draft (D-Cut "
+                       "counts, cuts nothing); fixed: a global keep ratio; reference: the reference paper's rule, "
+                       "keep ratio 25/50/75/100% chosen by U = sum of top-k scores / C(bs, bs+k) (formerly auto); "
+                       "continuous: any budget on the measured cost staircase; per_request: the same number of "
+                       "drafts for every request (a comparison point).")
     fixed_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Keep ratio used by mode=fixed.")
     per_request_depth: int = Field(4, ge=0, description="Drafts kept per request by mode=per_request.")
     count_bonus: bool = Field(True, description="Count the bs bonus tokens in U's numerator: U is then "
-                              "expected tokens per step over step cost, so 'no drafts' (plain decoding) is a "
+                              "expected tokens per step over step cost, so 'verify no drafts' is a "
                               "candidate and wins when drafts do not pay. The reference implementation: False.")
     fallback_ratio: float = Field(0.75, gt=0.0, le=1.0,
                                   description="Keep ratio when no cost covers this batch size.")
@@ -38,6 +49,9 @@ class DCutSettings(BaseModel):
     calibrate: bool = Field(True, description="Map raw confidence to observed acceptance per position, "
                             "learned online from verification (raw DFlash confidences can be far off: ECE "
                             "0.48-0.69 past position 3 for the Dense pair's drafter, 0.03-0.23 for the deep pair's).")
+    default_max_width: int | None = Field(None, ge=0, description="Drafts per step a request may be given "
+                                          "when it does not say (its `speculation` field, dcut.speculation): "
+                                          "None: K; 0: requests decode plainly unless they ask for speculation.")
     # Width control (mode=joint)
     widths: list[int] | None = Field(None, description="Drafted widths mode=joint may choose (default "
                                      "0,1,2,3,5,7,11,15 capped at K, with K; given: exactly those <= K, "
@@ -71,6 +85,13 @@ class DCutSettings(BaseModel):
                               "width rotates over trace_widths, one per step. A measurement mode: it decides nothing.")
     trace_widths: list[int] = Field([1, 3, 7, 15], description="Widths a trace rotates over (those <= K).")
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _renamed_mode(cls, value: object) -> object:
+        if (why := renamed_mode(value)) is not None:
+            raise ValueError(why)
+        return value
+
     @model_validator(mode="after")
     def _sizes_positive(self) -> DCutSettings:
         if self.profile_batch_sizes is not None and any(b < 1 for b in self.profile_batch_sizes):
@@ -88,8 +109,15 @@ SpecMethod = Literal["none", "dflash", "draft_model"]
 def engine_env(tensor_parallel_size: int = 1, kv_cache_gib: int = 2) -> dict[str, str]:
     """vLLM's environment on a small CPU box, in one place: nothing from a model hub, no usage stats, a
     ``kv_cache_gib`` KV cache (vLLM's CPU default reserves ~92% of RAM, so two engines could not coexist)
-    and, at TP=1, the engine in-process (it starts in seconds)."""
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    and, at TP=1, the engine in-process (it starts in seconds).
+
+    No AOT compile: on CPU, vLLM 0.32 compiles without Inductor, and an AOT artifact saved that way never
+    loads again ("Compiling model again due to a load failure ...: 'function' object has no attribute
+    'finalize_loading'"), so every engine start traced, saved a new artifact and threw it away (~15 s of the
+    deep pair's start). Without it Dynamo traces the graph in a few seconds and the engine runs the same
+    eager graph."""
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "VLLM_USE_AOT_COMPILE": "0"}
     if tensor_parallel_size == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
@@ -109,8 +137,8 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(EMBEDDED_MODELS[DEFAULT_PAIR][0], description="Target model folder (local path).")
-    draft: str | None = Field(EMBEDDED_MODELS[DEFAULT_PAIR][1], description="Drafter folder; None for plain decoding.")
-    method: SpecMethod = Field("dflash", description="Speculative method; 'none' decodes without a drafter.")
+    draft: str | None = Field(EMBEDDED_MODELS[DEFAULT_PAIR][1], description="Drafter folder; None: no speculation.")
+    method: SpecMethod = Field("dflash", description="Speculative method; 'none': no speculation (no drafter).")
     num_speculative_tokens: int = Field(15, ge=1, le=64, description="K, drafts per request per step.")
     spec_schedule: list[tuple[int, int, int]] | None = Field(
         None, description="vLLM dynamic speculation: (bs from, bs to, K) ranges; K per batch size.")
@@ -129,6 +157,9 @@ class EngineSettings(BaseModel):
     seed: int = 0
     served_model_name: str | None = None
     dcut: DCutSettings | None = Field(default_factory=DCutSettings,
-                                      description="D-Cut settings; None verifies every draft (full width).")
+                                      description="D-Cut settings; None: D-Cut stays out of the engine (with "
+                                      "method none, nothing to cut; with a drafter, vLLM's own speculation: every "
+                                      "draft verified, no D-Cut figures). Verify everything with D-Cut counting: "
+                                      "mode full.")
     specexit: SpecExitSettings | None = Field(None, description="SpecExit: end the thinking early from the "
                                               "drafter's signals (a reasoning pair with a signal head); None: off.")

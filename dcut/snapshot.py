@@ -65,7 +65,7 @@ class Totals(_Record):
 
 
 class Overhead(_Record):
-    """`dcut.cost_table.EngineOverhead`: the engine's time outside the model, ``a + b x tokens``."""
+    """`dcut.overhead.EngineOverhead`: the engine's time outside the model, ``a + b x tokens``."""
 
     per_step_ms: float
     per_token_ms: float

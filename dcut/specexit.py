@@ -10,7 +10,7 @@ bonus token's place (``exit_index``); the answer then decodes as usual. Everythi
 target's own output.
 
 What is here: the settings, the head's activations, smoothing and the exit rule, all pure. The head is trained
-with the reasoning pair (``dcut.train``); ``dcut.vllm.specexit`` applies the rule inside vLLM.
+with the reasoning pair (``python -m train reasoning``, `train/`); ``dcut.vllm.specexit`` applies the rule inside vLLM.
 """
 
 from __future__ import annotations

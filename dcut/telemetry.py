@@ -2,8 +2,8 @@
 
 A replica records one ``StepRecord`` per engine step, keeps the recent ones in a ``StepWindow``,
 and reports ``summary()`` to the controller. The estimate functions turn a cost table and the
-live acceptance curve into tokens/s per batch size, which the autoscaler and router compare
-against demand.
+live acceptance curve into tokens/s per batch size, which the autoscaler compares against
+demand.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from dcut.selection import CostLookup, select
 from dcut.settings import DCutSettings
 from dcut.snapshot import ThroughputEstimate
+
+if TYPE_CHECKING:
+    from dcut.selection import CostLookup
 
 
 @dataclass
@@ -166,6 +166,10 @@ def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings
     Runs the real decision on a batch of ``b`` identical requests; returns E(b) and the number of
     drafts it keeps.
     """
+    import torch  # here, not at the top: a Serve replica reads capacity and demand without torch
+
+    from dcut.selection import select
+
     if b <= 0:
         return 0.0, 0
     curve = torch.tensor(list(acceptance_curve), dtype=torch.float64).clamp(0.0, 1.0)
@@ -181,6 +185,8 @@ def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings
 
 def step_time(b: int, kept: int, cost: CostLookup, draft_ms: float = 0.0) -> float | None:
     """``T(b) = C_verify(b, b + kept) + C_draft(b)`` in ms; None beyond the cost table."""
+    import torch
+
     costs = cost.costs(b, torch.tensor([b + kept]))
     return None if costs is None else float(costs[0]) + draft_ms
 

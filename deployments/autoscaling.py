@@ -22,6 +22,17 @@ import math
 from collections import deque
 from typing import Any
 
+# Private API, kept on purpose: Ray 2.60 has no public way for an autoscaling policy, which Serve calls inside its
+# controller actor, to hand data to another actor. What the policy returns beside the replica count
+# (`policy_state`) stays in Serve's controller: neither `serve.status()` nor the REST details show it.
+# `DeploymentDetails.autoscaling_detail` (`ray.serve.schema`, alpha) is declared, but nothing in 2.60 fills it
+# or lets a policy write it. `serve.get_deployment_actor` works only inside a replica, not in the controller. A
+# `DeploymentHandle` made inside Serve's controller would learn its replicas by long-polling that same controller.
+# A named actor owned by the D-Cut controller would work with public calls, but costs a worker process for a log
+# of a few KB, needs its own lifetime across controller restarts, and its lookup is a GCS call like this put.
+# Ray core has no public key-value store. `internal_kv` is the GCS store Serve itself keeps its checkpoints in;
+# only `publish` and `read_log` below use it, and `publish` never raises (a failed put costs the status page
+# its log, never autoscaling).
 from ray.experimental import internal_kv
 
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, ScalingDecision, ScalingLog, ScalingRule

@@ -70,12 +70,18 @@ class DCutController:
 
     # ---- telemetry ----------------------------------------------------------------------------
 
-    def report(self, report: dict) -> None:
+    def report(self, report: dict) -> bool:
+        """Keep a replica's report (its telemetry, its start-up phases, its cost table); True: accepted (the
+        replica times its first report by this answer)."""
         r = ReplicaReport.model_validate(report)
         self.reports[r.replica_id] = r
         self.recent.add(r, self._live_reports(), time.time())
         if self.leases.get(r.fingerprint, ("",))[0] == r.replica_id:  # its engine runs: done profiling
             del self.leases[r.fingerprint]
+        self._keep_tables(r)
+        return True
+
+    def _keep_tables(self, r: ReplicaReport) -> None:
         if r.dcut is None or r.dcut.cost_table is None:
             return
         table = CostTable.from_json(r.dcut.cost_table)
@@ -118,6 +124,7 @@ class DCutController:
                 "cost_source": snap.cost_source if snap else None,
                 "cost_path": snap.cost_path if snap else None,
                 "start_seconds": round(r.start_seconds, 2),
+                "startup": r.startup and r.startup.model_dump(),
                 "batch_size": r.load.engine_requests,
                 "batch_size_histogram": w and w.batch_size_histogram,
                 "keep_ratio": w and w.mean_keep_ratio,

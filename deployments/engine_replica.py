@@ -1,4 +1,6 @@
-"""EngineReplica: one vLLM engine with D-Cut, fed by the ingress, reporting to the controller.
+"""EngineReplica: one engine with D-Cut, fed by the ingress, reporting to the controller. The engine is a
+`deployments.engine.Engine` of the class the builder passes (``deployments.vllm_engine.VLLMEngine`` in
+production, a mock in the unit tests): nothing here knows vLLM.
 
 Start: ask the controller for a cost table of this engine's fingerprint; use it, or wait while another
 replica profiles the same fingerprint, or let the engine profile (or load its own cache). A controller
@@ -12,7 +14,6 @@ objective rate; demand = running and waiting requests x that rate.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import logging
 import os
@@ -24,33 +25,41 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from dcut import telemetry
-from dcut.cost_table import CostTable
-from dcut.routing import routing_stats
+from dcut.cost_table import CostTable, cached_table_path
 from dcut.settings import EngineSettings
-from dcut.vllm.fingerprint import fingerprint
+from deployments.engine import Engine
 from deployments.metrics import ReplicaMetrics
-from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport
+from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport, StartupPhases
 from deployments.settings import EngineReplicaSettings
-from deployments.vllm_engine import VLLMEngine
 
 logger = logging.getLogger("ray.serve")
 
 READ_TIMEOUT_S = 5.0  # reading D-Cut state from the engine (an RPC to the engine core)
 
 
-def engine_class(path: str) -> type[VLLMEngine]:
-    """``module:Class`` of the engine wrapper (a `VLLMEngine` or a subclass)."""
-    module, _, name = path.partition(":")
-    cls = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, VLLMEngine)):
-        raise TypeError(f"engine_cls {path!r} is not a VLLMEngine subclass")
-    return cls
+def process_started_at() -> float:
+    """Unix time this process was created (psutil, which Ray brings; else ``/proc``)."""
+    try:
+        import psutil
+    except ImportError:
+        after_boot = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])  # field 22: starttime
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + after_boot / os.sysconf("SC_CLK_TCK")
+    return psutil.Process().create_time()
 
 
 class EngineReplica:
-    async def __init__(self, engine: EngineSettings, settings: EngineReplicaSettings, controller: Any = None):
+    async def __init__(self, engine: EngineSettings, settings: EngineReplicaSettings, controller: Any = None, *,
+                       engine_cls: type[Engine]):
+        """``engine``: what to build; ``controller``: a handle of the `DCutController` (None: alone);
+        ``engine_cls``: the engine's class, built with the settings (and the controller's cost table)."""
+        marks = {"process": process_started_at(), "constructor": time.time()}  # wall clock: StartupPhases
+        if not (isinstance(engine_cls, type) and issubclass(engine_cls, Engine)):
+            raise TypeError(f"engine_cls {engine_cls!r} is not a deployments.engine.Engine")
         t0 = time.monotonic()
         self.engine_settings = engine
         self.rs = settings
@@ -58,18 +67,27 @@ class EngineReplica:
         self.controller = controller
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except RuntimeError:  # outside a Serve replica
+        except RayServeException:  # outside a Serve replica (a plain object, or Serve's local testing mode)
             self.replica_id = f"local-{os.getpid()}"
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-        self.fingerprint = fingerprint(engine).key()
-        self.engine = engine_class(self.rs.engine_cls)(await self._with_cost_table(engine),
-                                                       max_prompt_tokens=self.rs.max_prompt_tokens)
+        engine_cls.import_library()
+        marks["import"] = time.time()
+        self.fingerprint = engine_cls.fingerprint(engine)
+        marks["fingerprint"] = time.time()
+        self._cost_table_from_controller = False
+        settings_with_table = await self._with_cost_table(engine)
+        marks["cost_offer"] = time.time()
+        self.engine = engine_cls(settings_with_table, max_prompt_tokens=self.rs.max_prompt_tokens)
         await self.engine.start()
+        await self.engine.check_health()
+        marks["ready"] = time.time()
         self._snapshot = await self.engine.dcut_snapshot()
         self.start_seconds = time.monotonic() - t0
+        self.startup = self._startup_phases(marks)
         logger.info("EngineReplica %s ready in %.1f s; D-Cut cost table: %s (fingerprint %s)", self.replica_id,
                     self.start_seconds, self._snapshot.cost_source if self._snapshot else "off", self.fingerprint)
         self.metrics = ReplicaMetrics(self.replica_id, self.served_model_name)
+        self.engine.on_speculation = self.metrics.observe_request
         self._telemetry = asyncio.create_task(self._report_forever())
 
     # ---- cost table at start ------------------------------------------------------------------
@@ -80,6 +98,7 @@ class EngineReplica:
         if dcut is None or dcut.cost_table:
             return settings
         start, waiting = time.monotonic(), False
+        cached = cached_table_path(dcut.cache_dir, self.fingerprint).is_file()
         while True:
             answer = await self._ask_controller("offer_cost_table", self.fingerprint, self.replica_id)
             if answer is None:
@@ -93,17 +112,47 @@ class EngineReplica:
                     learned = path.with_name(f"{path.stem}-learned.json")
                     learned.write_text(json.dumps(offer.learned))
                     update["learned"] = str(learned)
+                self._cost_table_from_controller = True
                 logger.info("EngineReplica %s: cost table %s%s from the controller (waited %.1f s)", self.replica_id,
                             self.fingerprint, " and learned state" if "learned" in update else "",
                             time.monotonic() - start)
                 return settings.model_copy(update={"dcut": dcut.model_copy(update=update)})
-            if offer.action == "profile" or time.monotonic() - start > self.rs.profile_wait_s:
+            # This host's cache has the table: the engine loads it at once, no need to wait for another's profile.
+            if offer.action == "profile" or cached or time.monotonic() - start > self.rs.profile_wait_s:
                 return settings
             if not waiting:
                 waiting = True
                 logger.info("EngineReplica %s: another replica is profiling %s, waiting for its table",
                             self.replica_id, self.fingerprint)
             await asyncio.sleep(1.0)
+
+    # ---- start-up phases ----------------------------------------------------------------------
+
+    def _startup_phases(self, marks: dict[str, float]) -> StartupPhases:
+        """The phases between the constructor's wall-clock marks; the first report's comes with its answer
+        (``_first_report_accepted``). Where the engine's compile and D-Cut's cost-table seconds come from: the
+        engine's own figure, else the D-Cut snapshot's (``compile_s``/``cost_table_s``, once the plugin has them)."""
+        names = ["process", "constructor", "import", "fingerprint", "cost_offer", "ready"]
+        gaps = [max(0.0, marks[b] - marks[a]) for a, b in zip(names, names[1:], strict=False)]
+        snap = self._snapshot
+        if snap is None:
+            source = None
+        elif self._cost_table_from_controller:
+            source = "controller"
+        else:
+            source = None if snap.cost_source == "pending" else snap.cost_source
+        compile_s = self.engine.compile_s if self.engine.compile_s is not None else getattr(snap, "compile_s", None)
+        return StartupPhases(
+            process_started_at=marks["process"], process_s=gaps[0],
+            import_s=gaps[1], fingerprint_s=gaps[2], cost_offer_s=gaps[3], engine_init_s=gaps[4],
+            compile_s=compile_s, cost_table_s=getattr(snap, "cost_table_s", None), cost_table_source=source)
+
+    def _first_report_accepted(self, at: float) -> None:
+        """The controller took this replica's first report at ``at`` (unix time): the start is complete."""
+        first = max(0.0, at - self.startup.process_started_at - self.startup.ready_s())
+        self.startup = self.startup.model_copy(update={
+            "first_report_s": first, "total_s": max(0.0, at - self.startup.process_started_at)})
+        logger.info("replica %s ready in %.1f s: %s", self.replica_id, self.startup.total_s, self.startup.line())
 
     async def _ask_controller(self, method: str, *args) -> Any:
         if self.controller is None:
@@ -147,7 +196,8 @@ class EngineReplica:
             sent_at=time.time(), interval_s=self.rs.telemetry_interval_s,
             load=self.engine.load.model_copy(update={"tokens_per_s": self.engine.tokens_per_s()}),
             capacity_tokens_per_s=capacity, capacity_from=capacity_from, demand_tokens_per_s=self.demand(),
-            dcut=self._snapshot, specexit=await self.engine.specexit_stats())
+            dcut=self._snapshot, specexit=await self.engine.specexit_stats(), startup=self.startup,
+            acceptance=self.engine.acceptance.model_copy(deep=True))
 
     async def _report_forever(self) -> None:
         """One report every ``telemetry_interval_s``, however long reading and sending take: the controller
@@ -157,7 +207,9 @@ class EngineReplica:
             try:
                 report = await self.report()
                 self.metrics.update(report)
-                await self._ask_controller("report", report.model_dump())
+                accepted = await self._ask_controller("report", report.model_dump())
+                if accepted and self.startup.total_s is None:
+                    self._first_report_accepted(time.time())
             except Exception as e:  # noqa: BLE001 - telemetry must not stop the replica
                 logger.warning("telemetry failed: %s", e)
             await asyncio.sleep(max(0.0, self.rs.telemetry_interval_s - (time.monotonic() - started)))
@@ -166,14 +218,6 @@ class EngineReplica:
         """Feeds the custom autoscaling policy (AutoscalingContext.aggregated_metrics): live demand,
         capacity from the estimates of the last telemetry read."""
         return {CAPACITY_KEY: self.capacity()[0], DEMAND_KEY: self.demand()}
-
-    async def record_routing_stats(self) -> dict:
-        """Feeds ``deployments.routing.DCutRequestRouter`` (Serve calls it every ``routing.stats_period_s``): the
-        throughput curve of the last telemetry read, this replica's measured speed, its running requests now.
-        Empty before the first estimates: the router then routes as Serve does by default."""
-        stats = routing_stats(self._snapshot, self.engine_settings.max_num_seqs, self.engine.load.engine_requests,
-                              time.time())
-        return {} if stats is None else stats.to_dict()
 
     # ---- requests -----------------------------------------------------------------------------
 

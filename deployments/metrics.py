@@ -7,7 +7,7 @@ scrape, so the replica re-exports what D-Cut reports here, labelled ``replica`` 
 
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge
+from ray.util.metrics import Counter, Gauge, Histogram
 
 from dcut.snapshot import DCutSnapshot
 from deployments.records import ReplicaReport
@@ -48,7 +48,20 @@ class ReplicaMetrics:
                                           "by requests SpecExit watched")
         self.specexit_saved = counter("dcut_specexit_predicted_saved_tokens", "Thinking tokens SpecExit's head "
                                       "estimated each exit saved, summed")
+        self.acceptance = Histogram("dcut_request_acceptance_rate", description="Per request: drafts the target "
+                                    "accepted / drafts it verified (requests that verified none are not observed)",
+                                    boundaries=[0.1 * i for i in range(1, 10)], tag_keys=(*_TAGS, "route"))
+        self.speculation_requests = Counter("dcut_speculation_requests", description="Responses whose speculation "
+                                            "was measured (usage.speculation), by route",
+                                            tag_keys=(*_TAGS, "route"))
         self._last = {"steps": 0, "generated": 0, "aborted": 0, "exits": 0, "reasoning": 0, "saved": 0}
+
+    def observe_request(self, route: str, acceptance_rate: float | None) -> None:
+        """One response's acceptance rate (``Engine.record_speculation``), labelled by its route."""
+        tags = {**self.tags, "route": route}
+        self.speculation_requests.inc(tags=tags)
+        if acceptance_rate is not None:
+            self.acceptance.observe(acceptance_rate, tags=tags)
 
     def _count(self, name: str, counter: Counter, total: float) -> None:
         if total > self._last[name]:

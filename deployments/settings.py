@@ -64,25 +64,6 @@ class AutoscalingSettings(_Strict):
         }
 
 
-class RoutingSettings(_Strict):
-    """Which replica gets a request: Serve's default (power of two choices on queue length) or D-Cut's
-    (``deployments.routing``: where one more request adds the most tokens/s, from each replica's estimates)."""
-
-    policy: Literal["default", "dcut"] = "default"
-    stats_period_s: float = Field(2.0, gt=0.0, description="How often each replica publishes its routing figures.")
-    stale_after_s: float = Field(6.0, gt=0.0, description="Figures older than this send every request to the "
-                                 "default choice until they are fresh again.")
-
-    def serve_config(self) -> dict | None:
-        """Ray Serve 2.60 ``request_router_config``; None keeps Serve's default router."""
-        if self.policy == "default":
-            return None
-        return {"request_router_class": "deployments.routing:DCutRequestRouter",
-                "request_router_kwargs": {"stale_after_s": self.stale_after_s},
-                "request_routing_stats_period_s": self.stats_period_s,
-                "request_routing_stats_timeout_s": max(1.0, self.stats_period_s)}
-
-
 class EngineReplicaSettings(_Strict):
     """How one engine replica is placed, reports, and finds its cost table."""
 
@@ -125,11 +106,18 @@ class EngineReplicaSettings(_Strict):
                                                "takes no new requests and waits this long for its running ones.")
     graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0, description="How often a draining replica checks "
                                                  "whether its requests are done.")
-    engine_cls: str = Field("deployments.vllm_engine:VLLMEngine",
-                            description="module:class of the engine wrapper (tests swap in a subclass that "
-                            "injects faults; production never sets it).")
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
-    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_routing(cls, data: object) -> object:
+        """``routing`` chose D-Cut's request router, removed because it lost to Serve's default router
+        (docs/benchmarks.md §6): say so rather than just "extra inputs are not permitted"."""
+        if isinstance(data, dict) and "routing" in data:
+            raise ValueError("engine_replica.routing is no longer a setting: the D-Cut request router was removed "
+                             "(it lost to Serve's default router, docs/benchmarks.md §6); delete routing: from the "
+                             "config, the replicas use Serve's default routing (power of two choices)")
+        return data
 
     def placement(self) -> dict:
         """Serve deployment options that place the replicas on the cluster's nodes."""

@@ -1,34 +1,37 @@
-"""The only module of the deployments that knows vLLM: an ``AsyncLLM`` built by the D-Cut plugin's
-``dcut.vllm.engine.engine_kwargs`` plus vLLM's own OpenAI serving objects (prompt rendering, chat
-templates, streaming chunks and error bodies are vLLM's), and D-Cut's view of the engine
-(``dcut.vllm.api``).
-
-Requests in, OpenAI bodies out: ``completions`` and ``chat`` yield either one response (a dict, with
-``"error"`` for an ErrorResponse) or, for streams, the SSE strings vLLM produces.
+"""The vLLM engine behind the `deployments.engine.Engine` door, and the only module of the deployments that
+knows vLLM: an ``AsyncLLM`` built by the D-Cut plugin's ``dcut.vllm.engine.engine_kwargs`` plus vLLM's own
+OpenAI serving objects (prompt rendering, chat templates, streaming chunks and error bodies are vLLM's), and
+D-Cut's view of the engine (``dcut.vllm.api``). vLLM itself is imported only when an engine starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
+import importlib
 import json
 import logging
 import re
-import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
 
 from dcut.settings import EngineSettings
 from dcut.snapshot import DCutSnapshot
 from dcut.specexit import with_overrides
+from dcut.speculation import EXTRA_ARG, FIELD, merged, parse_cap
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
-from deployments.records import EngineLoad, SpecExitStats
+from dcut.vllm.fingerprint import fingerprint
+from deployments.engine import Engine
+from deployments.records import SpecExitStats
 
 logger = logging.getLogger(__name__)
 _USAGE = re.compile(r'"usage":\s*\{')  # a stream chunk that carries the usage (vLLM's last, when asked for)
+# What ``fingerprint`` and ``start`` import of vLLM (``import_library``: timed by the replica, ~20 s on a loaded CPU).
+VLLM_MODULES = ("vllm", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "vllm.v1.metrics.ray_wrappers",
+                "vllm.entrypoints.launchers.api_server.app_state", "vllm.entrypoints.launchers.cli_args")
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict:
@@ -40,35 +43,26 @@ def error_body(message: str, status: int, err_type: str | None = None, param: st
                                          code=status)).model_dump()
 
 
-class _Throughput:
-    """Generated tokens per second over a sliding window."""
-
-    def __init__(self, window_s: float = 10.0):
-        self.window_s = window_s
-        self._events: list[tuple[float, int]] = []
-
-    def add(self, n: int) -> None:
-        if n > 0:
-            self._events.append((time.monotonic(), n))
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        self._events = [(t, n) for t, n in self._events if now - t <= self.window_s]
-        return sum(n for _, n in self._events) / self.window_s
-
-
-class VLLMEngine:
-    def __init__(self, settings: EngineSettings, stat_loggers: list | None = None,
-                 max_prompt_tokens: int | None = None):
-        self.settings = settings
-        self.max_prompt_tokens = max_prompt_tokens
+class VLLMEngine(Engine):
+    def __init__(self, settings: EngineSettings, max_prompt_tokens: int | None = None,
+                 stat_loggers: list | None = None):
+        super().__init__(settings, max_prompt_tokens)
         self._stat_loggers = stat_loggers
         self.engine = None
-        self.load = EngineLoad()
-        self._throughput = _Throughput()
+        self._vllm_generate = None
         self._chat = self._completion = self._models = None
 
+    @classmethod
+    def fingerprint(cls, settings: EngineSettings) -> str:
+        """From the ``VllmConfig`` vLLM builds of ``settings`` (``dcut.vllm.fingerprint``), without an engine."""
+        return fingerprint(settings).key()
+
     # ---- start -----------------------------------------------------------------------------
+
+    @classmethod
+    def import_library(cls) -> None:
+        for name in VLLM_MODULES:
+            importlib.import_module(name)
 
     async def start(self) -> None:
         from starlette.datastructures import State
@@ -81,7 +75,7 @@ class VLLMEngine:
         engine_args = AsyncEngineArgs(**engine_kwargs(self.settings), disable_log_stats=False)
         loggers = self._stat_loggers if self._stat_loggers is not None else [RayPrometheusStatLogger]
         self.engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=loggers)
-        self._wrap_generate()
+        self._route_generate_through_adapter()
 
         frontend = {f.name: getattr(FrontendArgs(), f.name) for f in dataclasses.fields(FrontendArgs)}
         args = argparse.Namespace(**(frontend | vars(engine_args)))
@@ -93,10 +87,7 @@ class VLLMEngine:
         self._models = state.openai_serving_models
         self._completion = state.openai_serving_completion
         self._chat = state.openai_serving_chat
-
-    def admit(self, prompt: Any, request_id: str) -> None:
-        """Called with each request at the engine door, before it reaches vLLM; raising fails that request
-        alone. A seam for subclasses (the fault tests' engine raises here); admits everything."""
+        self.compile_s = compile_seconds(self.engine)
 
     def _check_prompt(self, prompt: Any) -> None:
         """Refuse a prompt over ``max_prompt_tokens`` (a 400 from vLLM's serving layer, not an engine fault)."""
@@ -110,61 +101,63 @@ class VLLMEngine:
             raise VLLMValidationError(f"The prompt has {n} tokens; this server accepts at most "
                                       f"{self.max_prompt_tokens}.", parameter="prompt")
 
-    def _wrap_generate(self) -> None:
-        """Count tokens, running, failed and aborted requests at the engine door. Wraps this engine
-        instance's ``AsyncLLM.generate`` (the serving classes call it), not the class."""
+    def _route_generate_through_adapter(self) -> None:
+        """Make this adapter's ``generate`` the ``generate`` of this one ``AsyncLLM`` instance.
+
+        Why here, on the instance, and not among the plugin's patches of vLLM (``dcut.vllm.patches``): vLLM's
+        OpenAI serving objects, built from this engine by ``init_app_state``, call ``engine_client.generate``
+        for every request; it is the one place where each request's prompt and outputs pass and where a
+        client's abort shows (the generator is cancelled or closed). The replica counts and admits requests
+        there and changes nothing vLLM does: the outputs pass unchanged. The patches change vLLM's behaviour
+        for every engine of a process, on its classes; this attribute belongs to one engine of one replica,
+        leaves the ``AsyncLLM`` class and any other engine alone, and goes with the instance, so there is
+        nothing to undo."""
+        self._vllm_generate = self.engine.generate
+        self.engine.generate = self.generate
+
+    async def generate(self, prompt, sampling_params, request_id, *args, **kwargs) -> AsyncIterator[Any]:
+        """``AsyncLLM.generate`` as vLLM's serving objects see it: the prompt limit and ``admit`` first, then
+        vLLM's outputs, counted (``Engine.generating``: tokens, running, aborted)."""
         from vllm.sampling_params import RequestOutputKind
 
-        original = self.engine.generate
-        load, throughput = self.load, self._throughput
+        self._check_prompt(prompt)
+        self.admitted(prompt, request_id)
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        produced = 0
 
-        async def generate(prompt, sampling_params, request_id, *args, **kwargs):
-            self._check_prompt(prompt)
-            try:
-                self.admit(prompt, request_id)
-            except Exception:
-                load.failed_total += 1
-                raise
-            delta = sampling_params.output_kind == RequestOutputKind.DELTA
-            produced = 0
-            load.engine_requests += 1
-            try:
-                async for out in original(prompt, sampling_params, request_id, *args, **kwargs):
-                    n = sum(len(o.token_ids) for o in out.outputs)
-                    new = n if delta else max(0, n - produced)
-                    produced = produced + n if delta else max(produced, n)
-                    load.generated_tokens_total += new
-                    throughput.add(new)
-                    yield out
-            except (asyncio.CancelledError, GeneratorExit):
-                load.aborted_total += 1
-                raise
-            finally:
-                load.engine_requests -= 1
+        def new_tokens(out) -> int:  # a DELTA output carries its new tokens, a CUMULATIVE one all so far
+            nonlocal produced
+            n = sum(len(o.token_ids) for o in out.outputs)
+            new = n if delta else max(0, n - produced)
+            produced = produced + n if delta else max(produced, n)
+            return new
 
-        self.engine.generate = generate
+        outputs = self._vllm_generate(prompt, sampling_params, request_id, *args, **kwargs)
+        async with aclosing(self.generating(outputs, new_tokens)) as counted:
+            async for out in counted:
+                yield out
 
     # ---- requests --------------------------------------------------------------------------
 
     async def completions(self, body: dict) -> AsyncIterator[Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-        async for item in self._serve(CompletionRequest, body, self._completion.create_completion):
+        async for item in self._serve(CompletionRequest, body, self._completion.create_completion, "completions"):
             yield item
 
     async def chat(self, body: dict) -> AsyncIterator[Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        async for item in self._serve(ChatCompletionRequest, body, self._chat.create_chat_completion):
+        async for item in self._serve(ChatCompletionRequest, body, self._chat.create_chat_completion, "chat"):
             yield item
 
-    async def _serve(self, request_cls, body: dict, create) -> AsyncIterator[Any]:
+    async def _serve(self, request_cls, body: dict, create, route: str) -> AsyncIterator[Any]:
         from pydantic import ValidationError
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.exceptions import VLLMClientError
 
         try:
-            body = self._specexit_args(body)
+            body = self._speculation_args(self._specexit_args(body))
             request = request_cls.model_validate(body)
         except ValidationError as e:
             yield error_body(validation_message(e), 400, "BadRequestError")
@@ -175,8 +168,7 @@ class VLLMEngine:
         except Exception as e:  # noqa: BLE001 - anything else a validator raises is still about the body
             yield error_body(f"Invalid request: {type(e).__name__}: {e}", 400, "BadRequestError")
             return
-        self.load.ongoing_requests += 1
-        try:
+        with self.serving():
             try:
                 result = await create(request, None)
             except Exception as e:  # noqa: BLE001 - a client error (4xx) or an engine fault (500)
@@ -189,12 +181,10 @@ class VLLMEngine:
             if isinstance(result, ErrorResponse):
                 yield result.model_dump()
             elif hasattr(result, "model_dump"):
-                yield await self._with_specexit_usage(result.model_dump(exclude_none=True))
+                yield await self._with_usage(result.model_dump(exclude_none=True), route)
             else:
                 async for chunk in result:
-                    yield await self._with_specexit_usage(chunk)
-        finally:
-            self.load.ongoing_requests -= 1
+                    yield await self._with_usage(chunk, route)
 
     async def models(self) -> dict:
         return (await self._models.show_available_models()).model_dump()
@@ -204,7 +194,7 @@ class VLLMEngine:
 
     async def dcut_snapshot(self) -> DCutSnapshot | None:
         """The plugin's D-Cut snapshot (stats window, cost source and table, estimates); None when off."""
-        return await dcut_api.aread_stats(self.engine)
+        return await dcut_api.aread_snapshot(self.engine)
 
     async def specexit_stats(self) -> SpecExitStats | None:
         """SpecExit's counters in the engine; None when this deployment does not run it."""
@@ -234,11 +224,28 @@ class VLLMEngine:
         body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "specexit": arg}
         return body
 
-    async def _with_specexit_usage(self, item: Any) -> Any:
-        """A response, or a stream's usage chunk, with what SpecExit did: ``completion_tokens_details.
-        reasoning_tokens`` (OpenAI's field) and ``specexit`` (exits, thinking tokens the head estimated they
-        saved). Other items pass as they are."""
-        if self.settings.specexit is None:
+    def _speculation_args(self, body: dict) -> dict:
+        """A request's ``"speculation"`` field (``dcut.speculation``: true, false or ``{"max_width": N}``),
+        validated (a 400 naming it) and handed to the engine as ``vllm_xargs``."""
+        if not isinstance(body, dict) or FIELD not in body:
+            return body
+        body = dict(body)
+        cap = parse_cap(body.pop(FIELD), self.settings.num_speculative_tokens)
+        if cap is None or self.settings.method == "none":  # the deployment's default; or nothing to cap
+            return body
+        if self.settings.dcut is None:
+            raise ValueError(f"{FIELD}: a cap needs D-Cut on this model (engine.dcut); its drafter verifies "
+                             f"{self.settings.num_speculative_tokens} drafts per step")
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), EXTRA_ARG: cap}
+        return body
+
+    async def _with_usage(self, item: Any, route: str) -> Any:
+        """A response, or a stream's usage chunk, with what speculation did for it (``usage.speculation``: steps,
+        drafted, verified and accepted drafts, acceptance rate; recorded in the replica's acceptance histogram)
+        and what SpecExit did (``completion_tokens_details.reasoning_tokens``, OpenAI's field, and
+        ``specexit``: exits, thinking tokens the head estimated they saved). Other items pass as they are."""
+        speculating = self.settings.dcut is not None and self.settings.method != "none"
+        if self.settings.specexit is None and not speculating:
             return item
         chunk = isinstance(item, str)
         if chunk:
@@ -249,7 +256,11 @@ class VLLMEngine:
             data = item
         if not isinstance(data.get("usage"), dict) or "id" not in data:
             return item
-        found = await dcut_api.aread_specexit_usage(self.engine, data["id"])
+        if speculating:
+            spec = merged(await dcut_api.aread_request_usage(self.engine, data["id"]))
+            data["usage"]["speculation"] = spec
+            self.record_speculation(route, spec)
+        found = await dcut_api.aread_specexit_usage(self.engine, data["id"]) if self.settings.specexit else None
         if found:
             usage = data["usage"]
             usage["completion_tokens_details"] = {**(usage.get("completion_tokens_details") or {}),
@@ -260,12 +271,19 @@ class VLLMEngine:
                                                                      for u in found.values()), 1)}
         return f"data: {json.dumps(data)}\n\n" if chunk else data
 
-    def tokens_per_s(self) -> float:
-        return self._throughput.rate()
-
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+
+def compile_seconds(engine: Any) -> float | None:
+    """vLLM's compile seconds (``compilation_config.compilation_time``) where this process can read them, else None.
+
+    An ``AsyncLLM``'s engine core always runs in a process of its own (vLLM 0.32 has no in-process async engine
+    core; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` only keeps the workers inside that process): the core fills in the
+    figure on its copy of the config, and the copy here stays 0.0, read as unknown."""
+    seconds = engine.vllm_config.compilation_config.compilation_time
+    return seconds if seconds > 0 else None
 
 
 def client_error(e: Exception) -> dict | None:

@@ -1,12 +1,14 @@
-"""The arms of the load test: one app config, four ways of decoding — the mode names of ``dcut sweep``.
+"""The arms of the load test: one app config, four ways of decoding — the mode names of ``dcut sweep`` and
+``dcut compare``.
 
-- ``none``: plain decoding, no drafter (``engine.method: none``);
+- ``none``: no speculation, no drafter (``engine.method: none``);
 - ``full``: every draft verified (``engine.dcut.mode: full``: D-Cut cuts nothing, only counts);
 - ``dynamic``: vLLM's own dynamic speculation, K per batch size (``engine.spec_schedule``), every draft
   of it verified (``engine.dcut.mode: full``, as ``dcut sweep``'s ``dynamic``); the schedule is the best
   fixed K per batch size measured by a committed sweep (``dynamic_fixed_k`` of ``docs/sweep/sweep.json``,
   through ``dcut.bench.sweep.best_k_schedule``), or given with ``--spec-schedule``;
-- ``dcut``: the config as it is (D-Cut's default mode, ``joint``).
+- ``joint``: D-Cut as shipped (``engine.dcut.mode: joint``, the default; the config's other D-Cut settings kept).
+  Called ``dcut`` before (committed reports under ``docs/loadtest`` and ``docs/routing`` keep that name).
 
 Every arm keeps the config's engine seed, models and deployment settings.
 """
@@ -22,7 +24,8 @@ import yaml
 
 from dcut.commands.engine_args import parse_schedule  # the format of `dcut sweep --spec-schedule`
 
-ARMS = ("none", "full", "dynamic", "dcut")
+ARMS = ("none", "full", "dynamic", "joint")
+RENAMED_ARMS = {"dcut": "joint"}  # refused, naming the new name (no alias)
 APP_IMPORT_PATH = "app.builder:build_app"
 
 Schedule = list[tuple[int, int, int]]
@@ -50,7 +53,7 @@ def apply_override(args: dict, assignment: str) -> None:
 def arm_args(args: dict, arm: str, schedule: Schedule | None = None) -> dict:
     """The app's ``args`` for one arm (a copy)."""
     if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+        raise ValueError(unknown_arm(arm))
     args = copy.deepcopy(args)
     engine = args.setdefault("engine", {})
     if arm == "none":
@@ -63,7 +66,16 @@ def arm_args(args: dict, arm: str, schedule: Schedule | None = None) -> dict:
         engine["spec_schedule"] = [list(r) for r in schedule]
         engine["num_speculative_tokens"] = max(k for _, _, k in schedule)
         engine.setdefault("dcut", {})["mode"] = "full"
+    elif arm == "joint":
+        engine.setdefault("dcut", {})["mode"] = "joint"
     return args
+
+
+def unknown_arm(arm: str) -> str:
+    """Why ``arm`` is not an arm: renamed (``RENAMED_ARMS``) or unknown."""
+    if arm in RENAMED_ARMS:
+        return f"arm {arm!r} was renamed to {RENAMED_ARMS[arm]!r} (the mode name of dcut sweep / dcut compare)"
+    return f"unknown arm {arm!r}; choose from {', '.join(ARMS)}"
 
 
 def arm_config(base: dict, arm: str, overrides: list[str], port: int | None,

@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,8 @@ from pathlib import Path
 
 import httpx
 import psutil
-import yaml
+
+from loadtest.serve_process import served
 
 LOCAL = ("127.0.0.1", "localhost")
 RETRY_BACKOFF_S = 0.5  # the OpenAI SDK's first retry delay (INITIAL_RETRY_DELAY)
@@ -198,38 +198,15 @@ async def _watch(client: httpx.AsyncClient, victim: str, replicas: int, report: 
         await asyncio.sleep(0.25)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--api-key")
-    p.add_argument("--model", help="served model name (default: the --config's served_model_name, else 'deep')")
-    p.add_argument("--users", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
-    p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")
-    p.add_argument("--config", type=Path, help="Serve this config (`serve run`, its own local Ray) for the drill; "
-                   "its engine_replica.autoscaling.initial_replicas replicas must start.")
-    opts = p.parse_args()
+def drill(opts, model: str) -> None:
+    """The kill drill against the app at ``opts.base_url``, its report printed."""
     import ray
 
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-    serve_process = None
-    if opts.config:
-        from loadtest.serve_process import ServeProcess
-
-        args = yaml.safe_load(opts.config.read_text())["applications"][0]["args"]
-        opts.model = opts.model or args["engine"].get("served_model_name")
-        serve_process = ServeProcess(opts.config, Path(tempfile.mkdtemp()) / "serve.log", opts.base_url,
-                                     opts.api_key, cwd=opts.config.resolve().parent)
-        serve_process.start()
-        replicas = args["engine_replica"]["autoscaling"].get("initial_replicas") or 1
-        print(f"served in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s")
-
-    opts.model = opts.model or "deep"
 
     async def run() -> KillReport:
         async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:
-            return await kill_drill(client, opts.model, opts.users, opts.max_tokens, load_s=opts.load_s,
+            return await kill_drill(client, model, opts.users, opts.max_tokens, load_s=opts.load_s,
                                     timeout_s=opts.timeout)
 
     try:
@@ -238,8 +215,23 @@ def main() -> None:
         print(json.dumps({**asdict(report), "requests": report.requests, "failed": report.failed}, indent=1))
     finally:
         ray.shutdown()
-        if serve_process is not None:
-            serve_process.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key")
+    p.add_argument("--model", help="Model name (default: the --config's served model name, else the first one "
+                   "the app lists).")
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
+    p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")
+    p.add_argument("--config", type=Path, help="Serve this config (`serve run`, its own local Ray) for the drill; "
+                   "its engine_replica.autoscaling.initial_replicas replicas must start.")
+    opts = p.parse_args()
+    with served(opts.config, opts.base_url, opts.api_key, model=opts.model) as app:
+        drill(opts, app.model)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import collections
 import json
 import math
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +28,8 @@ import httpx
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+
+from loadtest.serve_process import served
 
 LOCAL = ("127.0.0.1", "localhost")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -437,7 +438,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--api-key")
-    p.add_argument("--model", default="", help="Default: the config's served model name, else the app's first.")
+    p.add_argument("--model", default="", help="Default: the --config's served model name, else the first one "
+                   "the app lists.")
     p.add_argument("--cases", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-tokens-cap", type=int, default=8, help="Largest number of tokens a case may ask for.")
@@ -448,29 +450,11 @@ def main() -> None:
     opts = p.parse_args()
     assert httpx.URL(opts.base_url).host in LOCAL, "fuzzing runs against this machine only"
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-    serve_process = None
-    if opts.config:
-        import yaml
-
-        from loadtest.serve_process import ServeProcess
-
-        args = yaml.safe_load(opts.config.read_text())["applications"][0]["args"]
-        opts.model = opts.model or args["engine"].get("served_model_name") or args["engine"]["model"]
-        serve_process = ServeProcess(opts.config, Path(tempfile.mkdtemp()) / "serve.log", opts.base_url,
-                                     opts.api_key, cwd=opts.config.resolve().parent)
-        serve_process.start()
-        replicas = args["engine_replica"]["autoscaling"].get("initial_replicas") or 1
-        print(f"served in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s", flush=True)
-    try:
+    with served(opts.config, opts.base_url, opts.api_key, model=opts.model) as app:
+        opts.model = app.model
         with httpx.Client(base_url=opts.base_url, headers=headers, timeout=opts.timeout) as client:
-            opts.model = opts.model or client.get("/v1/models").json()["data"][0]["id"]
             report = fuzz(client, opts.model, opts.cases, opts.seed, opts.max_tokens_cap,
                           progress=lambda line: print(line, flush=True), max_s=opts.max_minutes * 60)
-    finally:
-        if serve_process is not None:
-            left = serve_process.stop()
-            if left:
-                print("killed by hand:", left)
     out = {**asdict(report), "ok": report.ok, "model": opts.model, "seed": opts.seed,
            "max_tokens_cap": opts.max_tokens_cap, "cases_per_s": round(report.cases / max(report.duration_s, 1e-9), 2)}
     text = json.dumps(out, indent=1, default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)

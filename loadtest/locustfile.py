@@ -30,7 +30,7 @@ Two ways to load the server:
 
 ``--requests-log PATH`` writes one JSON line per request (when it started, its status ``ok``/``failed``/``cut``
 — cut: still streaming when the run stopped —, every token chunk's arrival and size) and one per test event
-(``test_start``, ``spawning_complete``, ``test_stop``): ``loadtest.metrics`` computes exact percentiles and
+(``test_start``, ``spawning_complete``, ``test_stop``): ``loadtest.figures`` computes exact percentiles and
 goodput from it.
 
 Settings: custom Locust arguments, each with an environment variable (see ``--help``).

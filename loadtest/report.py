@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.arms import ARMS
-from loadtest.metrics import (
+from loadtest.figures import (
     LATENCIES,
     PERCENTILES,
     PointFigures,
@@ -25,7 +25,7 @@ KINDS = {"users": ("Fixed concurrency (closed loop)", "users", "concurrent users
 # The figure each sweep is judged on (name, higher is better): closed loop, what the server delivers; open loop,
 # where every arm delivers what is offered until it saturates, how long a request takes (queueing included).
 PAYS_ON = {"users": ("output_tokens_per_s", True), "rate": ("e2e_p50_ms", False)}
-STYLE = {"none": ("black", "o"), "full": ("tab:red", "s"), "dynamic": ("tab:orange", "^"), "dcut": ("tab:blue", "D")}
+STYLE = {"none": ("black", "o"), "full": ("tab:red", "s"), "dynamic": ("tab:orange", "^"), "joint": ("tab:blue", "D")}
 
 
 def points(runs: list[dict]) -> list[dict[str, Any]]:
@@ -87,7 +87,7 @@ def tables(pts: list[dict], kind: str) -> list[str]:
 def markdown(meta: dict, pts: list[dict], paying: dict[str, list[StopsPaying]], plots: list[Path]) -> str:
     setup = meta.get("setup", {})
     obj = setup.get("objectives", {})
-    md = ["# Load test: `none` / `full` / `dynamic` / `dcut`", ""]
+    md = ["# Load test: " + " / ".join(f"`{a}`" for a in ARMS), ""]
     if setup.get("runs_done", 0) < setup.get("runs_planned", 0):
         md += [f"**Incomplete**: {setup['runs_done']} of {setup['runs_planned']} runs measured (the run stopped "
                "early; see its log).", ""]
@@ -98,9 +98,9 @@ def markdown(meta: dict, pts: list[dict], paying: dict[str, list[StopsPaying]], 
            "", "Arms (same app, same prompts, request lengths and arrival times, same seeds):", ""]
     for arm, info in meta.get("arms", {}).items():
         e = info.get("engine", {})
-        what = {"none": "plain decoding, no drafter", "full": "every draft verified (D-Cut mode full)",
+        what = {"none": "no speculation, no drafter", "full": "every draft verified (D-Cut mode full)",
                 "dynamic": f"vLLM dynamic speculation, K per batch size {e.get('spec_schedule')}, every draft "
-                           "verified", "dcut": f"the app config as is (D-Cut mode {e.get('dcut_mode')})"}.get(arm, "")
+                           "verified", "joint": f"D-Cut as shipped (D-Cut mode {e.get('dcut_mode')})"}.get(arm, "")
         md.append(f"- `{arm}`: {what}; ready after {info.get('ready_s')} s, {info.get('replicas_at_end')} "
                   "replicas at the end")
     if setup.get("spec_schedule_source"):
@@ -109,7 +109,7 @@ def markdown(meta: dict, pts: list[dict], paying: dict[str, list[StopsPaying]], 
            f"{setup.get('repeats')} repeat(s) per point; {setup.get('ramp_s', 0):g} s ramp/warm-up (not measured), "
            f"then {setup.get('duration_s', 0):g} s measured. Requests: {setup.get('max_tokens')} output tokens "
            f"(ignore_eos), prompts of {setup.get('prompt_chars')} characters from `{setup.get('prompt_file')}`, "
-           f"{setup.get('chat_fraction')} chat, greedy, seed {setup.get('seed')}. Definitions: `loadtest/metrics.py`; "
+           f"{setup.get('chat_fraction')} chat, greedy, seed {setup.get('seed')}. Definitions: `loadtest/figures.py`; "
            "accepted length = drafts accepted per request-step (bonus token not counted) and keep ratio = drafts "
            "verified / drafted, both over the steps the replicas ran during the point (their step totals in "
            "`/dcut/status` before and after it).", ""]

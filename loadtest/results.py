@@ -60,8 +60,8 @@ def _float(text: str | None) -> float | None:
     return value if value == value else None  # NaN -> None
 
 
-def read_stats(prefix: str | Path) -> dict[tuple[str, str], dict[str, str]]:
-    """Rows of ``<prefix>_stats.csv`` keyed by (Type, Name)."""
+def read_locust_stats(prefix: str | Path) -> dict[tuple[str, str], dict[str, str]]:
+    """Rows of Locust's ``<prefix>_stats.csv`` keyed by (Type, Name)."""
     with open(f"{prefix}_stats.csv", newline="") as f:
         return {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
 
@@ -85,7 +85,7 @@ def read_user_errors(prefix: str | Path) -> int:
 
 def run_result(prefix: str | Path, mode: str, users: int) -> RunResult:
     """Summarise one Locust run from its CSV files."""
-    stats = read_stats(prefix)
+    stats = read_locust_stats(prefix)
     request_rows = [r for (kind, name), r in stats.items() if kind == REQUEST_TYPE and name.startswith("/v1/")]
     requests = sum(int(r["Request Count"]) for r in request_rows)
     failures = sum(int(r["Failure Count"]) for r in request_rows)

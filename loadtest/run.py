@@ -3,7 +3,7 @@
     python -m loadtest.run --out docs/loadtest           # the full report (~3 h on the 2-core CPU box)
     python -m loadtest.run --out docs/loadtest --quick   # a look (~15 min): 8 and 32 users, 2 rates, 1 repeat, 20 s
 
-For each arm (``loadtest/arms.py``: ``none``, ``full``, ``dynamic``, ``dcut``) it writes the arm's config, starts
+For each arm (``loadtest/arms.py``: ``none``, ``full``, ``dynamic``, ``joint``) it writes the arm's config, starts
 ``serve run`` on it (its own local Ray, HTTP on 127.0.0.1 only), waits until every initial replica reports, then
 for each repeat runs Locust once per load point:
 
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.arms import ARMS, app_entry, arm_config, committed_sweep, load_schedule
-from loadtest.metrics import (
+from loadtest.arms import ARMS, app_entry, arm_config, committed_sweep, load_schedule, unknown_arm
+from loadtest.figures import (
     Objectives,
     acceptance_between,
     measured_window,
@@ -270,7 +270,7 @@ def serve_arm(arm: str, config: dict, opts, work: Path, measure: Callable[[Targe
 
 def pin_one_replica(serve: ServeProcess, cpus: str) -> dict:
     """Confine the first engine replica (lowest pid, its engine core and their threads) to ``cpus`` ("0" or
-    "0,1"): replicas of unequal speed, as on a shared or mixed machine, for comparing request routers."""
+    "0,1"): replicas of unequal speed, as on a shared or mixed machine (how the app copes with a slow one)."""
     from loadtest.soak import pin_tree, replica_processes
 
     wanted = {int(c) for c in cpus.split(",") if c.strip()}
@@ -321,7 +321,7 @@ def parse_args(argv=None):
     p.add_argument("--progress-every", type=float, default=15)
     p.add_argument("--note", action="append", default=[], help="a line for results.md (repeatable)")
     p.add_argument("--pin-replica", default=None, metavar="CPUS",
-                   help="confine one engine replica to these CPUs (e.g. 0): unequal replicas, for routing")
+                   help="confine one engine replica to these CPUs (e.g. 0): one replica slower than the others")
     opts = p.parse_args(argv)
     if opts.quick:  # the quick look's values become the defaults; flags given still win
         p.set_defaults(**QUICK)
@@ -333,7 +333,8 @@ def parse_args(argv=None):
 def plan(opts) -> tuple[list[str], list[Point], list[float] | None]:
     arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
     if not arms or not set(arms) <= set(ARMS):
-        raise SystemExit(f"--arms takes {', '.join(ARMS)}")
+        why = [unknown_arm(a) for a in arms if a not in ARMS]
+        raise SystemExit("; ".join([f"--arms takes {', '.join(ARMS)}", *why]))
     users = [Point("users", float(u)) for u in opts.users.split(",") if u.strip()]
     rates = None if opts.rates.strip() == "auto" else [float(r) for r in opts.rates.split(",") if r.strip()]
     if rates is None and not users:

@@ -1,5 +1,8 @@
 """``serve run <config>`` as a child process: start it, wait until it answers, stop it with nothing left.
 
+``served(config, ...)`` does all three around a block (the fault drill, the fuzzer and the soak serve an app
+this way); ``model_name`` is the one rule for the model name they ask for.
+
 The process runs in its own session (process group) with ``RAY_AUTH_MODE=disabled`` and
 ``--address local`` (a fresh local Ray instance, never another engineer's). Stopping:
 ``serve shutdown -y`` against this instance's dashboard, then SIGTERM to the process group, then
@@ -14,7 +17,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -192,3 +199,67 @@ class ServeProcess:
             except psutil.NoSuchProcess:
                 pass
         return [f"{p.pid} {name}" for p, name in names.items()]
+
+
+# ---- a served app around a block ----------------------------------------------------------------
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def app_settings(config: Path):
+    """The ``AppConfig`` of the config's D-Cut application: the app's own validation and defaults."""
+    import yaml
+
+    from app.config import AppConfig
+    from loadtest.arms import app_entry
+
+    return AppConfig.model_validate(app_entry(yaml.safe_load(config.read_text())).get("args") or {})
+
+
+def model_name(model: str | None, config: Path | None, base_url: str, api_key: str | None = None) -> str:
+    """The model to ask for: ``model`` if given, else the name the config's app serves (its
+    ``served_model_name``, else the target folder's name, as the app decides), else the first model the app
+    at ``base_url`` lists (``/v1/models``, as the locustfile does)."""
+    if model:
+        return model
+    if config is not None:
+        return app_settings(config).engine.served_model_name
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+@dataclass(frozen=True)
+class Served:
+    """The app a block runs against: the process ``served`` started (None: an app already served), and the
+    model name to ask for."""
+
+    process: ServeProcess | None
+    model: str
+
+
+@contextmanager
+def served(config: Path | None, base_url: str, api_key: str | None = None, *, model: str | None = None,
+           log: Path | None = None, timeout_s: float = 900, progress: Callable[[str], None] = _say) -> Iterator[Served]:
+    """``serve run config`` on its own local Ray, waited on until ``/health`` answers, a completion of the
+    model (`model_name`) succeeds and the initial engine replicas report; stopped, nothing left running, when
+    the block ends, also when starting it failed. Without a config: the app already served at ``base_url``,
+    neither started nor stopped."""
+    if config is None:
+        yield Served(None, model_name(model, None, base_url, api_key))
+        return
+    app = app_settings(config)
+    auto = app.engine_replica.autoscaling
+    process = ServeProcess(config, log or Path(tempfile.mkdtemp()) / "serve.log", base_url, api_key,
+                           cwd=config.resolve().parent)
+    result = Served(process, model_name(model, config, base_url))
+    process.start()
+    try:
+        waited = process.wait_ready(result.model, timeout_s, auto.initial_replicas or auto.min_replicas, progress)
+        progress(f"served {config} in {waited:.0f} s (log {process.log})")
+        yield result
+    finally:
+        if left := process.stop(progress):
+            progress(f"killed by hand: {left}")

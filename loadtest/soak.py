@@ -35,6 +35,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from loadtest.serve_process import served
+
 LOCAL = ("127.0.0.1", "localhost")
 # Ray titles a Serve replica's process "ray::ServeReplica:<app>:<deployment>[.<method>]", or, while a method runs
 # with the actor's name, "ray::SERVE_REPLICA::<app>#<deployment>#<id>:ServeReplica:<app>:<deployment>.<method>".
@@ -377,7 +379,8 @@ def main() -> None:
                    help="Serve this config (`serve run`, its own local Ray) for the soak, then stop it.")
     p.add_argument("--url", help="Soak an app already served here instead (e.g. http://127.0.0.1:8000).")
     p.add_argument("--api-key")
-    p.add_argument("--model", default="", help="Model name (default: the config's served_model_name).")
+    p.add_argument("--model", default="", help="Model name (default: the --config's served model name, else the "
+                   "first one the app lists).")
     p.add_argument("--app", default=None, help="Serve application name of the engine replicas (default: any).")
     p.add_argument("--serve-pid", type=int, help="With --url: only replicas under this process (its `serve run`).")
     p.add_argument("--users", type=int, default=256)
@@ -395,32 +398,19 @@ def main() -> None:
     opts = p.parse_args()
     out_dir = opts.out or Path(tempfile.mkdtemp(prefix="soak-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    serve_process = None
-    if opts.url is None:
+    config = None
+    if opts.url is None:  # serve --config here
         import yaml
 
-        from loadtest.serve_process import ServeProcess
-
-        config = yaml.safe_load(opts.config.read_text())
-        http = config.get("http_options", {})
+        config = opts.config
+        loaded = yaml.safe_load(config.read_text())
+        http = loaded.get("http_options", {})
         opts.url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
-        args = config["applications"][0]["args"]
-        opts.model = opts.model or args["engine"].get("served_model_name") or args["engine"]["model"]
-        opts.app = opts.app or config["applications"][0].get("name")
-        assert httpx.URL(opts.url).host in LOCAL, "the soak runs against this machine only"
-        serve_process = ServeProcess(opts.config, out_dir / "serve.log", opts.url, opts.api_key,
-                                     cwd=opts.config.resolve().parent)
-        serve_process.start()
-        replicas = args["engine_replica"]["autoscaling"].get("initial_replicas") or 1
-        print(f"served {opts.config} in {serve_process.wait_ready(opts.model, 900, replicas):.0f} s", flush=True)
+        opts.app = opts.app or loaded["applications"][0].get("name")
     assert httpx.URL(opts.url).host in LOCAL, "the soak runs against this machine only"
-    try:
-        report = run_soak(opts, serve_process.proc.pid if serve_process else opts.serve_pid, out_dir)
-    finally:
-        if serve_process is not None:
-            left = serve_process.stop()
-            if left:
-                print("killed by hand:", left)
+    with served(config, opts.url, opts.api_key, model=opts.model, log=out_dir / "serve.log") as app:
+        opts.model = app.model
+        report = run_soak(opts, app.process.proc.pid if app.process else opts.serve_pid, out_dir)
     text = json.dumps(report, indent=1)
     (out_dir / "soak.json").write_text(text + "\n")
     print(text)

@@ -1,4 +1,4 @@
-"""An engine wrapper that fails on demand, for the Serve fault tests (``engine_replica.engine_cls``):
+"""An engine that fails on demand, for the Serve fault tests (``compose_app(args, engine_cls=FaultyEngine)``):
 a real `VLLMEngine` whose admission raises for a prompt containing ``MARKER``."""
 
 from __future__ import annotations

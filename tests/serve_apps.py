@@ -8,12 +8,14 @@ from collections.abc import Callable
 import pytest
 
 
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.5) -> None:
-    """Poll ``condition`` until it holds; fail the test (or fixture) at the deadline, naming ``what``."""
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str | Callable[[], str],
+               every_s: float = 0.5) -> None:
+    """Poll ``condition`` until it holds; fail the test (or fixture) at the deadline, naming ``what`` (a callable:
+    called then, to say what was seen last). From async code: ``await asyncio.to_thread(wait_until, ...)``."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+            pytest.fail(f"no {what() if callable(what) else what} within {timeout_s:.0f} s")
         time.sleep(every_s)
 
 

@@ -1,4 +1,4 @@
-"""Fast checks of the training code (`dcut train`): tiny slices, a few dozen steps, seconds each."""
+"""Fast checks of the training code (`python -m train`): tiny slices, a few dozen steps, seconds each."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from dcut.train import data as D  # noqa: E402
-from dcut.train import loop as L  # noqa: E402
-from dcut.train import models as M  # noqa: E402
-from dcut.train import tokenizer as TK  # noqa: E402
+from train import data as D  # noqa: E402
+from train import loop as L  # noqa: E402
+from train import models as M  # noqa: E402
+from train import tokenizer as TK  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=32, intermediate_size=128, max_position_embeddings=256)
@@ -153,7 +153,7 @@ def test_drafter_trains_and_saves_vllm_format(corpus, tiny_target, tmp_path):
 def test_cli_parses_all():
     import argparse
 
-    from dcut.commands import train as cmd
+    from train import cli as cmd
 
     p = argparse.ArgumentParser()
     cmd.configure(p)
@@ -165,14 +165,13 @@ def test_cli_parses_all():
 def test_distill_sequence_length_is_an_option_and_too_short_is_refused(tmp_path, capsys):
     import argparse
 
-    from dcut.cli import main
-    from dcut.commands import train as cmd
+    from train import cli as cmd
 
     p = argparse.ArgumentParser()
     cmd.configure(p)
     assert p.parse_args(["deep-drafter-distill"]).seq_len == cmd.SEQ_LEN
     assert p.parse_args(["deep-drafter-distill", "--seq-len", "192"]).seq_len == 192
-    assert main(["train", "deep-drafter-distill", "--out", "models", "--runs", str(tmp_path), "--seq-len", "64"]) == 2
+    assert cmd.main(["deep-drafter-distill", "--out", "models", "--runs", str(tmp_path), "--seq-len", "64"]) == 2
     assert "--seq-len must leave room" in capsys.readouterr().err
 
 
@@ -183,7 +182,7 @@ def _round(seq_len: int, command: str) -> dict:
 
 
 def test_distill_rounds_read_single_records_and_skip_a_recorded_length(tmp_path):
-    from dcut.train import pipeline as P
+    from train import pipeline as P
 
     first = _round(512, "first")
     assert P.distill_rounds({}) == []
@@ -197,7 +196,7 @@ def test_distill_rounds_read_single_records_and_skip_a_recorded_length(tmp_path)
 
 
 def test_card_states_every_distill_round_and_the_measured_calibration(tmp_path):
-    from dcut.train import cards as C
+    from train import cards as C
 
     text = C._distill_line({"distill": [_round(512, "cmd-a"), _round(192, "cmd-b")]})
     assert "Then fine-tuned (`cmd-a`)" in text and "Then fine-tuned again (`cmd-b`)" in text

@@ -9,21 +9,45 @@ import statistics
 import time
 from typing import Any
 
-from dcut.settings import DCutSettings, EngineSettings
+from dcut.settings import DCutSettings, EngineSettings, renamed_mode
 from dcut.snapshot import DCutSnapshot, WindowSummary
 
-GENERATE_MODES = ("none", "full", "fixed", "auto", "continuous", "per_request", "joint")
+GENERATE_MODES = ("none", "full", "fixed", "reference", "continuous", "per_request", "joint")
 
 
 def settings_for_mode(mode: str, base: EngineSettings) -> EngineSettings:
-    """``none``: no drafter; ``full``: every draft verified (D-Cut records stats, cuts nothing);
-    ``fixed``/``auto``/``continuous``/``per_request``: D-Cut in that mode, with base's D-Cut settings."""
+    """The one construction of every benchmark's modes. ``none``: no speculation (no drafter); ``full``: every
+    draft verified (D-Cut in mode full: it counts, cuts nothing); ``fixed``/``reference``/``continuous``/
+    ``per_request``/``joint``: D-Cut in that mode, with base's D-Cut settings."""
     if mode not in GENERATE_MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(GENERATE_MODES)}")
+        raise ValueError(unknown_mode(mode, GENERATE_MODES))
     dcut = base.dcut or DCutSettings()
     if mode == "none":
         return base.model_copy(update={"method": "none", "draft": None, "dcut": None})
     return base.model_copy(update={"dcut": dcut.model_copy(update={"mode": mode})})
+
+
+def dynamic_settings(base: EngineSettings, schedule: list[tuple[int, int, int]]) -> EngineSettings:
+    """``dynamic``: vLLM's own dynamic speculation (K per batch size from ``schedule``: (bs from, bs to, K)
+    ranges), every draft verified as in ``full`` (D-Cut counts, cuts nothing)."""
+    if not schedule:
+        raise ValueError("mode dynamic needs a schedule (bs ranges to K)")
+    return settings_for_mode("full", base).model_copy(update={
+        "spec_schedule": [tuple(r) for r in schedule], "num_speculative_tokens": max(k for _, _, k in schedule)})
+
+
+def unknown_mode(mode: str, allowed: tuple[str, ...]) -> str:
+    """Why ``mode`` is not one of ``allowed``: renamed (``dcut.settings.RENAMED_MODES``) or unknown."""
+    return renamed_mode(mode) or f"unknown mode {mode!r}; choose from {', '.join(allowed)}"
+
+
+def run_mode(settings: EngineSettings) -> str:
+    """The mode a result row is labelled with: ``none`` without speculation, D-Cut's mode with D-Cut, and ``vllm``
+    for vLLM's own speculation without D-Cut (``dcut: None`` with a drafter: every draft verified, no D-Cut
+    figures; no benchmark mode builds it, ``full`` is D-Cut in mode full)."""
+    if settings.method == "none":
+        return "none"
+    return settings.dcut.mode if settings.dcut is not None else "vllm"
 
 
 def _dcut_fields(stats: DCutSnapshot | None, window: WindowSummary | None) -> dict[str, Any]:
@@ -58,7 +82,7 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
     """
     from vllm import LLM, SamplingParams
 
-    from dcut.vllm.api import read_stats, reset_stats
+    from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs
 
     settings = settings.model_copy(update={"max_num_seqs": max(batch_sizes)})
@@ -83,13 +107,13 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
         produced = sum(len(t) for t in token_ids)
         rates = sorted(produced / w for w in walls if w > 0)
         wall = statistics.median(walls)
-        stats = read_stats(llm) if with_dcut else None
+        stats = read_snapshot(llm) if with_dcut else None
         window = stats.window if stats else None
         results.append({
             "model": settings.model,
             "draft": settings.draft,
             "method": settings.method,
-            "mode": settings.dcut.mode if with_dcut else "none",
+            "mode": run_mode(settings),
             "k": settings.num_speculative_tokens if settings.method != "none" else 0,
             "batch_size": bs,
             "max_tokens": max_tokens,

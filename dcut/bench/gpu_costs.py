@@ -11,7 +11,7 @@ anywhere torch does, offline:
 On one H200 this should take about one minute, well under the 8-minute budget: the roofline
 estimate printed at start is ~40 s (224 shapes, each 16 forwards of 4-30 ms plus one graph capture,
 and ~15 s of start-up); the run time actually taken goes into the notes. The output is the cost
-table JSON of ``dcut.cost_table.CostTable`` plus the ``name``/``plain``/``overhead``/``notes`` keys
+table JSON of ``dcut.cost_table.CostTable`` plus the ``name``/``none``/``overhead``/``notes`` keys
 that ``dcut.replay.costs.CostModel`` reads.
 
 What is measured, per batch size bs:
@@ -310,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hardware = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.machine()})"
     points: dict[str, list[list[float]]] = {}
     draft: dict[str, dict[str, list[float]]] = {}
-    plain: dict[str, float] = {}
+    none: dict[str, float] = {}  # a step of none (no speculation) per batch size
     with torch.inference_mode():
         embed = _weight(shape.vocab, shape.hidden, device, dtype)
         target = Decoder(shape, shape.layers, device, dtype)
@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ms = time_ms(partial(draft_step, drafter, block, drafter_caches, step),
                              device, args.warmups, args.repeats, graphs)
                 cells[str(width)] = [ms, args.repeats]
-            points[str(bs)], draft[str(bs)], plain[str(bs)] = row, cells, row[0][1]
+            points[str(bs)], draft[str(bs)], none[str(bs)] = row, cells, row[0][1]
             del target_caches, drafter_caches, step, ids, block
             gc.collect()
             if device.type == "cuda":
@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "offsets": {},
         "plain_offsets": {},
         "draft": draft,
-        "plain": plain,
+        "none": none,
         "overhead": {"per_step_ms": 0.0, "per_token_ms": 0.0},
         "notes": [
             f"measured by dcut/bench/gpu_costs.py on {hardware}, torch {torch.__version__}, device {args.device}, "
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "drafter width 0 (assumption): one position per request through the drafter, no lm_head: what keeping "
             "the drafter's context in sync costs when nothing is drafted",
             f"timing: {timing}",
-            "plain: the verify cost at t=1 (a decode step without a drafter); overhead outside the model: 0 "
+            "none: the verify cost at t=1 (a decode step without speculation); overhead outside the model: 0 "
             "(nothing of the engine's scheduling is measured here)",
         ],
     }

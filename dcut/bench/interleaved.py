@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from dcut.bench.generate import _build_engine, settings_for_mode, token_ids_sha256
+from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mode, token_ids_sha256, unknown_mode
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
@@ -39,17 +39,15 @@ class Arm:
 
 
 def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, int, int]] | None) -> list[Arm]:
-    """``none`` (no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter, synchronous
-    scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every draft
-    verified), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``), ``joint`` (D-Cut as shipped),
-    ``joint-w0`` (joint pinned to width 0: the floor)."""
+    """``none`` (no speculation: no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter,
+    synchronous scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every
+    draft verified: D-Cut in mode full), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``, every draft
+    verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor); all built by
+    ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut sweep`` builds them."""
     arms = []
     for mode in modes:
         if mode == "dynamic":
-            if not schedule:
-                raise ValueError("mode dynamic needs a schedule (bs ranges to K)")
-            s = settings_for_mode("full", base).model_copy(update={
-                "spec_schedule": schedule, "num_speculative_tokens": max(k for _, _, k in schedule)})
+            s = dynamic_settings(base, schedule or [])
         elif mode == "joint-w0":
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
@@ -59,7 +57,7 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
         elif mode in ("none", "full", "joint"):
             s = settings_for_mode(mode, base)
         else:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(COMPARE_MODES)}")
+            raise ValueError(unknown_mode(mode, COMPARE_MODES))
         arms.append(Arm(mode, s))
     return arms
 
@@ -85,7 +83,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
     from vllm import LLM, SamplingParams
 
-    from dcut.vllm.api import read_stats, reset_stats
+    from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs
 
     arms = arms_for(base.model_copy(update={"max_num_seqs": max(batch_sizes)}), modes, schedule)
@@ -119,7 +117,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
                 bar.update()
         for arm in arms:
             if arm.settings.dcut is not None and arm.settings.method != "none":
-                snap = read_stats(engines[arm.name][0])
+                snap = read_snapshot(engines[arm.name][0])
                 if snap is not None:
                     stats[(arm.name, bs)] = {"width_histogram": snap.window.width_histogram,
                                              "mean_keep_ratio": snap.window.mean_keep_ratio,
@@ -199,7 +197,7 @@ def markdown(record: dict[str, Any]) -> str:
     if "joint-w0" in modes and "none" in modes:
         floor = [f"bs {b}: {cell[('joint-w0', b)]['tokens_per_s'] / cell[('none', b)]['tokens_per_s']:.3f}"
                  for b in sizes]
-        lines += ["", "Width 0 pinned ÷ plain decoding (medians): " + ", ".join(floor) + "."]
+        lines += ["", "Width 0 pinned (`joint-w0`) ÷ no speculation (`none`), medians: " + ", ".join(floor) + "."]
     same = all(c["identical_to_none"] in (True, None) for c in record["cells"])
     lines += ["", f"Greedy outputs identical to `none` in every run: **{'yes' if same else 'NO'}**."]
     widths = [f"bs {b}: {cell[('joint', b)].get('width_histogram')}" for b in sizes if ("joint", b) in cell]

@@ -13,6 +13,7 @@ Per arm and batch size: accuracy, mean generated and thinking tokens, tokens/s, 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from typing import Any
 
 from dcut.settings import EngineSettings
 from dcut.specexit import SpecExitSettings
-from dcut.train.reasoning import answer_of
 from dcut.vllm.api import read_specexit_usage
 
 
@@ -55,6 +55,14 @@ def parse_arm(text: str) -> Arm:
         SpecExitSettings.model_validate(overrides)
         return Arm(text, specexit=overrides)
     raise ValueError(f"unknown arm {text!r}: choose none, cap:N or specexit[:key=value,...]")
+
+
+def answer_of(completion: str, think_end: str = "</think>") -> str | None:
+    """The answer a reasoning completion gives: the first number after ``think_end`` (None without one). How this
+    benchmark scores a request, and the trainer (`train/`) its vLLM check of the reasoning pair."""
+    _, sep, after = completion.partition(think_end)
+    match = re.search(r"-?\d+", after) if sep else None
+    return match.group(0) if match else None
 
 
 def load_problems(path: str | Path) -> list[dict[str, str]]:

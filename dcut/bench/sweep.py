@@ -3,11 +3,11 @@
 Engines run one after another in this process (in-process vLLM engines start in seconds); one
 engine serves all batch sizes of a mode. Modes:
 
-- ``none`` plain decoding, no drafter;           ``full`` every draft verified;
+- ``none`` no speculation (no drafter);       ``full`` every draft verified (D-Cut in mode full);
 - ``dynamic`` vLLM's own ``num_speculative_tokens_per_batch_size``, with the best K per batch
-  size found by the sweep itself (fixed K in {1, 3, 7, K} first, full width);
-- ``per_request`` the same number of drafts for every request, at the budget ``auto`` chose;
-- ``auto`` / ``continuous`` D-Cut choosing what to verify (the drafter always drafts K);
+  size found by the sweep itself (fixed K in {1, 3, 7, K} first, each in mode ``full``);
+- ``per_request`` the same number of drafts for every request, at the budget ``reference`` chose;
+- ``reference`` / ``continuous`` D-Cut choosing what to verify (the drafter always drafts K);
 - ``joint`` D-Cut choosing the drafted width each step, then what to verify (``dcut.width``).
 
 Every engine runs at vLLM's default compilation unless ``--enforce-eager`` is given, so ``none``
@@ -24,11 +24,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dcut.bench.generate import generate, settings_for_mode
+from dcut.bench.generate import dynamic_settings, generate, settings_for_mode
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
-SWEEP_MODES = ("none", "full", "dynamic", "per_request", "auto", "continuous", "joint")
+SWEEP_MODES = ("none", "full", "dynamic", "per_request", "reference", "continuous", "joint")
 DYNAMIC_KS = (1, 3, 7)  # plus the sweep's own K
 REPEATS = 3
 
@@ -38,9 +38,11 @@ class SweepError(RuntimeError):
 
 
 def run_cell(base: EngineSettings, mode: str, batch_sizes: list[int], prompts: list[str], max_tokens: int,
-             repeats: int = REPEATS, **update: Any) -> list[dict[str, Any]]:
-    """One engine over several batch sizes; ``update`` changes engine or D-Cut settings."""
-    settings = settings_for_mode(mode, base)
+             repeats: int = REPEATS, schedule: list[tuple[int, int, int]] | None = None,
+             **update: Any) -> list[dict[str, Any]]:
+    """One engine over several batch sizes; ``update`` changes engine or D-Cut settings; ``schedule``: mode
+    ``dynamic``'s K per batch size."""
+    settings = dynamic_settings(base, schedule or []) if mode == "dynamic" else settings_for_mode(mode, base)
     dcut_update = {k: update.pop(k) for k in list(update) if k in ("per_request_depth",)}
     if dcut_update and settings.dcut is not None:
         update["dcut"] = settings.dcut.model_copy(update=dcut_update)
@@ -71,9 +73,10 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
     base = base.model_copy(update={"dcut": base.dcut.model_copy(update={"cache_dir": str(out / "cost_cache")})})
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
-    plan = [m for m in ("none", "full", "auto", "continuous", "joint") if m in modes]
-    if "per_request" in modes and "auto" not in plan:
-        plan.append("auto")  # per_request needs auto's budget
+    dynamic: dict[str, Any] | None = None  # what the dynamic mode ran: vLLM's dynamic speculation or its stand-in
+    plan = [m for m in ("none", "full", "reference", "continuous", "joint") if m in modes]
+    if "per_request" in modes and "reference" not in plan:
+        plan.append("reference")  # per_request needs reference's budget
     dynamic_ks = [kk for kk in DYNAMIC_KS if kk < k] + [k]
     bar = tqdm(total=len(plan) + ("dynamic" in modes) * (len(dynamic_ks) + 1) + ("per_request" in modes),
                desc="sweep", unit="engine")
@@ -87,7 +90,7 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
         bar.set_postfix_str("per_request")
         depths: dict[int, list[int]] = {}
         for bs in batch_sizes:
-            ratio = rows[("auto", bs)].get("mean_keep_ratio") or 1.0
+            ratio = rows[("reference", bs)].get("mean_keep_ratio") or 1.0
             depths.setdefault(max(0, min(k, round(ratio * k))), []).append(bs)
         for depth, sizes in sorted(depths.items()):
             for r in run_cell(base, "per_request", sizes, prompts, max_tokens, repeats, per_request_depth=depth):
@@ -108,15 +111,16 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
         schedule = best_k_schedule(by_k, batch_sizes)
         bar.set_postfix_str("dynamic")
         try:
-            cells = run_cell(base, "full", batch_sizes, prompts, max_tokens, repeats,
-                             num_speculative_tokens=max(s[2] for s in schedule), spec_schedule=schedule)
+            cells = run_cell(base, "dynamic", batch_sizes, prompts, max_tokens, repeats, schedule=schedule)
             for r in cells:
-                rows[("dynamic", r["batch_size"])] = {**r, "mode": "dynamic"}
+                rows[("dynamic", r["batch_size"])] = {**r, "mode": "dynamic", "spec_schedule": schedule}
+            dynamic = {"schedule": schedule, "ran": "vllm"}
             notes.append(f"dynamic: vLLM num_speculative_tokens_per_batch_size = {schedule}, picked from the "
                          f"fixed-K runs in `dynamic_fixed_k`")
         except SweepError as e:
             notes.append(f"dynamic: vLLM's dynamic speculation failed here, so the best fixed K per batch "
                          f"size stands in for it (the same thing). Error: {e}")
+            dynamic = {"schedule": schedule, "ran": "best_fixed_k", "error": str(e)}
             for lo, hi, kk in schedule:
                 for bs in batch_sizes:
                     if lo <= bs <= hi:
@@ -149,12 +153,12 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             "mean_keep_ratio": r.get("mean_keep_ratio"), "mean_accepted_length": r.get("mean_accepted_length"),
             "per_position_acceptance": r.get("per_position_acceptance"),
             "selection_us_median": r.get("selection_us_median"), "token_ids_sha256": r["token_ids_sha256"],
-            "per_request_depth": r.get("per_request_depth"),
+            "per_request_depth": r.get("per_request_depth"), "spec_schedule": r.get("spec_schedule"),
             "engine_startup_s": r.get("startup_s"), "cost_source": r.get("cost_source"),
         })
     record = {"machine": machine_info(), "engine": base.model_dump(), "k": k, "batch_sizes": batch_sizes,
               "max_tokens": max_tokens, "repeats": repeats, "notes": notes, "results": results,
-              "dynamic_fixed_k": fixed_k}
+              "dynamic": dynamic, "dynamic_fixed_k": fixed_k}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))
     (out / "sweep.md").write_text(markdown(record))
     _plots(record, out)
@@ -173,12 +177,12 @@ def geo_mean(values: list[float]) -> float | None:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    """Speedup vs plain decoding per mode and batch size, then keep ratio and accepted length per cell."""
+    """Speedup vs no speculation (``none``) per mode and batch size, then keep ratio and accepted length per cell."""
     sizes = record["batch_sizes"]
     modes = list(dict.fromkeys(r["mode"] for r in record["results"]))
     cell = {(r["mode"], r["bs"]): r for r in record["results"]}
     head = "| mode | " + " | ".join(f"bs {b}" for b in sizes) + " | geo |\n|---|" + "---|" * (len(sizes) + 1)
-    lines = ["## Throughput relative to plain decoding (`none`)", "", head]
+    lines = ["## Throughput relative to no speculation (`none`)", "", head]
     for m in modes:
         sp = [cell.get((m, b), {}).get("speedup_vs_none") for b in sizes]
         g = geo_mean([s for s in sp if s])

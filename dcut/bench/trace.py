@@ -13,9 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dcut.bench.generate import _build_engine
+from dcut.bench.generate import _build_engine, settings_for_mode
 from dcut.machine import machine_info
-from dcut.settings import DCutSettings, EngineSettings
+from dcut.settings import EngineSettings
 from dcut.trace import Trace
 
 
@@ -28,8 +28,9 @@ def record(settings: EngineSettings, prompts: list[str], batch_sizes: list[int],
     from dcut.vllm.engine import engine_kwargs
 
     tmp = Path(tempfile.mkdtemp(prefix="dcut-trace-"))
-    dcut = (settings.dcut or DCutSettings()).model_copy(update={"mode": "full", "trace": str(tmp),
-                                                                "trace_widths": widths})
+    settings = settings_for_mode("full", settings)  # every draft verified, D-Cut counting: the benchmarks' full
+    assert settings.dcut is not None
+    dcut = settings.dcut.model_copy(update={"trace": str(tmp), "trace_widths": widths})
     settings = settings.model_copy(update={"dcut": dcut, "max_num_seqs": max(batch_sizes)})
     llm = _build_engine(LLM, engine_kwargs(settings))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

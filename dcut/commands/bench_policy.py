@@ -20,10 +20,10 @@ from dcut.machine import machine_info
 from dcut.selection import select
 from dcut.settings import DCutSettings
 
-HELP = "Median time of one D-Cut selection (auto, continuous) and of D-Cut's whole per-step work."
+HELP = "Median time of one D-Cut selection (reference, continuous) and of D-Cut's whole per-step work."
 BATCH_SIZES = (1, 4, 16, 64, 256)
 KS = (7, 15)
-MODES = ("auto", "continuous")
+MODES = ("reference", "continuous")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     if args.step:
         results = [{"mode": mode, "bs": bs, "k": 15, "width": w,
                     "median_us": round(time_step(mode, bs, 15, w, args.repeats), 1)}
-                   for mode in ("auto", "joint") for bs in (1, 16, 64) for w in ((15,) if mode == "auto" else (0, 15))]
+                   for mode in ("reference", "joint") for bs in (1, 16, 64)
+                   for w in ((15,) if mode == "reference" else (0, 15))]
         columns = ("mode", "bs", "width")
     else:
         results = [{"mode": mode, "bs": bs, "k": k, "median_us": round(time_select(mode, bs, k, args.repeats), 1)}

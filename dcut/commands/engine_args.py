@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from dcut.cli import CommandError
 from dcut.prompts import load_prompts
-from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings, engine_env
+from dcut.settings import DEFAULT_PAIR, EMBEDDED_MODELS, DCutSettings, EngineSettings, engine_env, renamed_mode
 
 # Flags that set a field of EngineSettings / DCutSettings: unset flags stay None, so the pydantic
 # defaults (named in each flag's help) are the only defaults.
@@ -76,9 +76,22 @@ def batch_sizes_and_modes(bs: str, modes: str, allowed: tuple[str, ...]) -> tupl
         raise CommandError("--bs must be positive integers")
     chosen = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = sorted(set(chosen) - set(allowed))
+    renamed = [why for m in unknown if (why := renamed_mode(m))]
+    if renamed:
+        raise CommandError("; ".join(renamed))
     if unknown or not chosen:
         raise CommandError(f"unknown modes {unknown}; choose from {', '.join(allowed)}")
     return sizes, chosen
+
+
+def mode_arg(allowed: tuple[str, ...]):
+    """An argparse ``type`` for one mode: a renamed mode (``dcut.settings.RENAMED_MODES``) is refused naming the
+    new name, not as an unknown choice."""
+    def parse(text: str) -> str:
+        if (why := renamed_mode(text)) is not None:
+            raise argparse.ArgumentTypeError(why)
+        return text
+    return parse
 
 
 def parse_schedule(text: str) -> list[tuple[int, int, int]]:

@@ -7,15 +7,20 @@ import json
 
 from dcut.bench.generate import GENERATE_MODES, generate, settings_for_mode
 from dcut.cli import CommandError
-from dcut.commands.engine_args import add_engine_flags, prompts_and_engine
+from dcut.commands.engine_args import add_engine_flags, mode_arg, prompts_and_engine
 from dcut.prompts import DEFAULT_PROMPTS
+from dcut.settings import DCutSettings
 
-HELP = "Generate offline with vLLM (modes none/full/fixed/auto/continuous) and report the figures."
+HELP = "Generate offline with vLLM (modes none/full/fixed/reference/continuous/per_request/joint); report the figures."
+
+DEFAULT_MODE = DCutSettings.model_fields["mode"].default
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
-    parser.add_argument("--mode", choices=GENERATE_MODES, default="auto")
+    parser.add_argument("--mode", type=mode_arg(GENERATE_MODES), choices=GENERATE_MODES, default=DEFAULT_MODE,
+                        help=f"none: no speculation; full: every draft verified; the others: D-Cut's modes "
+                        f"(default: {DEFAULT_MODE}, DCutSettings' default)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help=".jsonl ({'prompt': ...}) or .txt")
     parser.add_argument("--batch-size", default="8",
                         help="requests decoded together; a comma list runs each on one engine")

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as fresh_cache:  # always measure, never read a cached table
-        dcut = base.dcut.model_copy(update={"mode": "auto", "cost_table": None, "cache_dir": fresh_cache,
+        dcut = base.dcut.model_copy(update={"mode": "reference", "cost_table": None, "cache_dir": fresh_cache,
                                             "profile_batch_sizes": sizes, "profile_warmups": args.warmups,
                                             "profile_repeats": args.repeats})
         settings = base.model_copy(update={"dcut": dcut, "max_num_seqs": max(sizes)})

@@ -10,13 +10,14 @@ from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, prompts_and_engine
 from dcut.prompts import DEFAULT_PROMPTS
 
-HELP = "Batch-size sweep of none/full/dynamic/per_request/auto/continuous/joint; table, JSON and plots."
+HELP = "Batch-size sweep of none/full/dynamic/per_request/reference/continuous/joint; table, JSON and plots."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
-    parser.add_argument("--modes", default=",".join(SWEEP_MODES))
+    parser.add_argument("--modes", default=",".join(SWEEP_MODES),
+                        help=f"comma-separated, from {', '.join(SWEEP_MODES)}")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per cell (median and spread)")

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dcut.cost_table import CostTable, linear_fit
+from dcut.cost_table import CostTable
+from dcut.overhead import linear_fit
 from dcut.replay.costs import CostModel
 from dcut.replay.report import Case
 from dcut.trace import Trace
@@ -80,30 +81,30 @@ def recorded_cost_model(trace_dir: Path) -> CostModel:
     """What the recording engine's steps cost, measured live; the table it profiled at start as the prior.
 
     Verify and drafter costs: medians of the trace's own steps (``live_costs``). A step verifying no
-    drafts, and the drafter at width 0 (which a trace never runs): from a plain engine's measured run
-    (``plain-generate.jsonl``, ``dcut generate --mode none``) and the profile. Engine overhead:
-    fitted on the trace's gaps between steps."""
+    drafts, and the drafter at width 0 (which a trace never runs): from a measured run without speculation
+    (``plain-generate.jsonl``: ``dcut generate --mode none``; the committed file's name) and the profile.
+    Engine overhead: fitted on the trace's gaps between steps."""
     profiled = json.loads((trace_dir / "cost_table.json").read_text())
     trace = load_traces(trace_dir)
     per_step, per_token = engine_overhead(trace)
-    plain = {}
+    none = {}  # ms per step of none (no speculation), overhead excluded
     for line in (trace_dir / "plain-generate.jsonl").read_text().splitlines():
         row = json.loads(line)
         b = int(row["batch_size"])
-        plain[b] = 1000.0 * b / row["tokens_per_s"] - (per_step + per_token * b)
-    points, draft = live_costs(trace, sorted(plain))
+        none[b] = 1000.0 * b / row["tokens_per_s"] - (per_step + per_token * b)
+    points, draft = live_costs(trace, sorted(none))
     prior = CostTable.from_json({**profiled, "offsets": {}, "plain_offsets": {}})
     for b in points:
-        points[b].append((b, plain[b], 1))
+        points[b].append((b, none[b], 1))
         draft[b][0] = prior.draft[prior.covering(b)][0]
     table = CostTable(prior.fingerprint, points, draft=draft).smoothed()
     notes = [f"verify and drafter costs: medians of the recorded engine's steps "
              f"({prior.fingerprint.hardware}), per batch size and width; the drafter at width 0 from its profile",
-             "plain decoding step: a plain engine's measured tokens/s (plain-generate.jsonl), less the overhead",
+             "a step of none (no speculation): its measured tokens/s (plain-generate.jsonl), less the overhead",
              f"engine overhead fitted on the trace's gaps between steps: {per_step:.3f} ms + {per_token:.4f} ms "
              "per emitted token",
              "policies start from the engine's profiled table (dummy steps at start), as a live engine does"]
-    return CostModel(f"{trace_dir.name}-cpu", table, per_step, per_token, plain, notes, prior)
+    return CostModel(f"{trace_dir.name}-cpu", table, per_step, per_token, none, notes, prior)
 
 
 def deep_cpu() -> Case:

@@ -3,8 +3,9 @@
 A cost model is the cost-table JSON the engine uses (``dcut.cost_table.CostTable.to_json``: verify
 cost by batch size and verify tokens, drafter cost by batch size and width) with two extra keys the
 engine ignores: ``overhead`` (``{"per_step_ms", "per_token_ms"}``: the engine's work outside the
-model, per step and per emitted token) and ``plain`` (``{bs: ms}``, optional: a step of an engine
-with no drafter at all; when absent, the verify cost of ``bs`` tokens) and ``notes`` (how it was made).
+model, per step and per emitted token) and ``none`` (``{bs: ms}``, optional: a step of ``none``, no speculation,
+an engine with no drafter at all; when absent, the verify cost of ``bs`` tokens; cost models written before it was
+named ``none`` call it ``plain``, read as well) and ``notes`` (how it was made).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class CostModel:
     table: CostTable
     per_step_ms: float = 0.0
     per_token_ms: float = 0.0
-    plain_ms: dict[int, float] = field(default_factory=dict)
+    none_ms: dict[int, float] = field(default_factory=dict)  # a step of ``none`` per batch size
     notes: list[str] = field(default_factory=list)
     prior: CostTable | None = None  # what a policy starts from (an engine's profiled table), when not the truth
 
@@ -50,11 +51,11 @@ class CostModel:
             raise ValueError(f"cost model {self.name} has no drafter cost at batch size {bs}")
         return cost
 
-    def plain(self, bs: int) -> float:
-        """A step of plain decoding (no drafter in the engine), overhead excluded."""
+    def none(self, bs: int) -> float:
+        """A step of ``none`` (no speculation: no drafter in the engine), overhead excluded."""
         cover = self.table.covering(bs)
-        if cover is not None and cover in self.plain_ms:
-            return self.plain_ms[cover]
+        if cover is not None and cover in self.none_ms:
+            return self.none_ms[cover]
         return self.verify(bs, bs)
 
     def overhead(self, tokens: float) -> float:
@@ -68,7 +69,7 @@ class CostModel:
         data = self.table.to_json()
         data["name"] = self.name
         data["overhead"] = {"per_step_ms": self.per_step_ms, "per_token_ms": self.per_token_ms}
-        data["plain"] = {str(b): ms for b, ms in sorted(self.plain_ms.items())}
+        data["none"] = {str(b): ms for b, ms in sorted(self.none_ms.items())}
         data["notes"] = list(self.notes)
         if self.prior is not None:
             data["policy_table"] = self.prior.to_json()
@@ -77,10 +78,11 @@ class CostModel:
     @classmethod
     def from_json(cls, data: dict[str, Any], name: str | None = None) -> CostModel:
         overhead = data.get("overhead") or {}
+        none = data["none"] if "none" in data else data.get("plain")  # "plain": the key's name before "none"
         # Monotone in tokens as the engine's profiled tables are (raw medians of a noisy run may not be).
         return cls(name or data.get("name") or data["fingerprint"]["model"], CostTable.from_json(data).smoothed(),
                    float(overhead.get("per_step_ms", 0.0)), float(overhead.get("per_token_ms", 0.0)),
-                   {int(b): float(ms) for b, ms in (data.get("plain") or {}).items()}, list(data.get("notes", [])),
+                   {int(b): float(ms) for b, ms in (none or {}).items()}, list(data.get("notes", [])),
                    CostTable.from_json(data["policy_table"]) if data.get("policy_table") else None)
 
     def save(self, path: str | Path) -> None:

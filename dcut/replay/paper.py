@@ -2,7 +2,7 @@
 
 The source document (``shared/seeds/000_*``, Qwen3-8B, one H20, block 16) reports throughput relative to
 autoregressive decoding at bs 4/8/16/32/64 for DFlash-B16 (``full``: every draft verified) and D-Cut-B16
-(``auto``: the reference rule). The seed text quotes an older version of that table; the reference page's
+(``reference``: the reference rule). The seed text quotes an older version of that table; the reference page's
 current version (``shared/DESIGN.md`` §1) is higher. Replay is checked against both, ±20% per cell.
 
 Where a cell misses, the report gives the extra time per speculative step that would reconcile it:
@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 PAPER_SPEEDUP = {  # speedup over autoregressive decoding at bs 4, 8, 16, 32, 64
-    "seed": {"full": (2.04, 1.28, 0.80, 0.52, 0.42), "auto": (2.42, 1.93, 1.41, 0.99, 0.81)},
-    "current": {"full": (3.16, 1.87, 1.16, 0.80, 0.65), "auto": (3.50, 2.52, 1.67, 1.21, 0.98)},
+    "seed": {"full": (2.04, 1.28, 0.80, 0.52, 0.42), "reference": (2.42, 1.93, 1.41, 0.99, 0.81)},
+    "current": {"full": (3.16, 1.87, 1.16, 0.80, 0.65), "reference": (3.50, 2.52, 1.67, 1.21, 0.98)},
 }
 PAPER_SIZES = (4, 8, 16, 32, 64)
 PAPER_KEEP_RATIO = dict(zip(PAPER_SIZES, (0.46, 0.34, 0.26, 0.25, 0.26), strict=True))  # D-Cut-B16, DESIGN §1
@@ -44,9 +44,9 @@ def paper_check(summary: dict[str, Any]) -> list[dict[str, Any]]:
 def paper_check_markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["### Paper check (±20%)\n",
              "| version | policy | bs | paper | replay | replay/paper | within | extra ms/step to match | "
-             "drafts verified (auto; paper keep ratio) |", "|---|---|---|---|---|---|---|---|---|"]
+             "drafts verified (reference; paper keep ratio) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        keep = f"{r['keep_ratio']:.2f} ({r['paper_keep_ratio']:.2f})" if r["policy"] == "auto" else ""
+        keep = f"{r['keep_ratio']:.2f} ({r['paper_keep_ratio']:.2f})" if r["policy"] == "reference" else ""
         within = "yes" if r["within"] else "**no**"
         lines.append(f"| {r['version']} | {r['policy']} | {r['bs']} | {r['paper']:.2f} | {r['replay']:.2f} | "
                      f"{r['ratio']:.2f} | {within} | {r['extra_ms_per_step']:+.1f} | {keep} |")

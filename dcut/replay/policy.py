@@ -39,7 +39,7 @@ class Policy(Protocol):
 
 
 class FixedWidth:
-    """Draft ``w`` every step and verify all of it: plain decoding at 0, vLLM's fixed K otherwise."""
+    """Draft ``w`` every step and verify all of it: ``none`` (no speculation) at 0, vLLM's fixed K otherwise."""
 
     def __init__(self, w: int, name: str | None = None) -> None:
         self.w = w

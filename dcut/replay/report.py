@@ -1,8 +1,8 @@
 """Replay every policy on a case (a trace and a cost model) at each batch size; the report's figures.
 
-Policies: plain decoding (``none``), fixed widths verified in full (vLLM's fixed K), vLLM's dynamic
+Policies: no speculation (``none``), fixed widths verified in full (vLLM's fixed K), vLLM's dynamic
 table (the best of those per batch size, as a user tuning it by hand would set it), the runner's
-own modes (``full``, ``auto`` as the reference sets it, ``continuous``, ``joint``), other engines'
+own modes (``full``, ``reference`` as the reference implementation sets it, ``continuous``, ``joint``), other engines'
 rules (``dcut.replay.anchors``) and the oracle. Everything is a pure function of the inputs.
 """
 
@@ -22,7 +22,7 @@ from dcut.trace import Trace
 
 STEPS = 400
 WARMUP = 100
-REFERENCE = DCutSettings(mode="auto", count_bonus=False, calibrate=False)  # the reference implementation's U
+REFERENCE = DCutSettings(mode="reference", count_bonus=False, calibrate=False)  # the reference implementation's U
 PRODUCT = DCutSettings(mode="joint")  # what app.config.yaml ships
 
 
@@ -41,13 +41,13 @@ PolicyMaker = Callable[[SimClock], Policy]
 
 
 def policy_makers(case: Case, pools: Pools) -> Iterator[tuple[str, PolicyMaker, bool]]:
-    """``(name, make(clock), plain)`` for every policy replayed on ``case``."""
+    """``(name, make(clock), none)`` for every policy replayed on ``case`` (``none``: no drafter in the engine)."""
     k, cost, widths = case.trace.k, case.cost.for_policies(), pools.widths
     yield "none", lambda clock: FixedWidth(0), True
     for w in widths:
         yield f"fixed-{w}", lambda clock, w=w: FixedWidth(w), False
     joint = PRODUCT.model_copy(update={"widths": [0, *widths]})  # replay can draft only the widths traced
-    for name, settings in (("full", DCutSettings(mode="full")), ("auto", REFERENCE),
+    for name, settings in (("full", DCutSettings(mode="full")), ("reference", REFERENCE),
                            ("continuous", DCutSettings(mode="continuous")), ("joint", joint)):
         if max(widths) == k or name == "joint":
             yield name, lambda clock, n=name, s=settings: RunnerPolicy(n, s, cost, k, clock), False
@@ -74,9 +74,9 @@ def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: 
     cells: list[Cell] = []
     with tqdm(total=len(makers) * len(case.batch_sizes), desc=f"replay {case.name}", disable=not progress) as bar:
         for bs in case.batch_sizes:
-            for _name, make, plain in makers:
+            for _name, make, none in makers:
                 clock = SimClock()
-                cells.append(run_cell(make(clock), bs, pools, case.cost, steps, warmup, clock, plain=plain))
+                cells.append(run_cell(make(clock), bs, pools, case.cost, steps, warmup, clock, none=none))
                 bar.update()
             cells.append(dynamic(cells, bs))
             cells.append(oracle(bs, pools, case.cost, steps, warmup))
@@ -85,7 +85,7 @@ def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: 
 
 def dynamic(cells: list[Cell], bs: int) -> Cell:
     """vLLM's dynamic speculation with the best table a user could write: per batch size, the best of
-    plain decoding and each fixed width (``num_speculative_tokens_per_batch_size``)."""
+    ``none`` and each fixed width (``num_speculative_tokens_per_batch_size``)."""
     best = max((c for c in cells if c.bs == bs and (c.policy == "none" or c.policy.startswith("fixed-"))),
                key=lambda c: c.tokens_per_s)
     return Cell("dynamic", bs, best.steps, best.tokens, best.ms, best.widths, best.verified_drafts, best.drafted,

@@ -1,7 +1,7 @@
 """A roofline cost model of Qwen3-8B and its DFlash drafter on one NVIDIA H20, fitted to the seed's verify costs.
 
-Replay needs what a GPU step costs at every verify budget, at every drafted width and for plain decoding, but the
-source document measured the verify step only (DESIGN.md section 1, Qwen3-8B on one H20). Bytes moved and flops
+Replay needs what a GPU step costs at every verify budget, at every drafted width and for ``none`` (no speculation),
+but the source document measured the verify step only (DESIGN.md section 1, Qwen3-8B on one H20). Bytes moved and flops
 done, from the model's shape and the GPU's published rates, at a few efficiencies fitted to six of those
 measurements, price the rest under stated assumptions rather than invented numbers. Every assumption is written into
 the cost model's ``notes``.
@@ -166,8 +166,9 @@ class Roofline:
         return (self.t0_ms + self.per_request_ms * _drafted_requests(bs, tokens)
                 + self._roof_ms(_verify_ops(self.target, self.context, bs, tokens)))
 
-    def plain_ms(self, bs: int) -> float:
-        """Plain decoding: one token per request, no drafts, so no per-request verification term."""
+    def none_ms(self, bs: int) -> float:
+        """A step of ``none`` (no speculation): one token per request, no drafts, so no per-request verification
+        term."""
         return self.verify_ms(bs, bs)
 
     def draft_ms(self, bs: int, width: int) -> float:
@@ -255,13 +256,14 @@ def _summary(rows: list[dict[str, Any]]) -> str:
     return f"max |residual| {np.abs(pct).max():.1f}%, RMS {np.sqrt(np.mean(pct ** 2)):.1f}%"
 
 
-def _full_verify_speedups(roofline: Roofline, per_request_in_plain: bool) -> list[float]:
-    """DFlash-B16 at full verify over plain decoding, bs 4..64, at the seed's tokens per step: a check, not a fit."""
+def _full_verify_speedups(roofline: Roofline, per_request_in_none: bool) -> list[float]:
+    """DFlash-B16 at full verify over ``none`` (no speculation), bs 4..64, at the seed's tokens per step: a check,
+    not a fit."""
     speedups = []
     for bs in SEED_VERIFY_TABLE:
-        plain = roofline.plain_ms(bs) + (roofline.per_request_ms * bs if per_request_in_plain else 0.0)
+        none = roofline.none_ms(bs) + (roofline.per_request_ms * bs if per_request_in_none else 0.0)
         step = roofline.verify_ms(bs, bs * BLOCK) + roofline.draft_ms(bs, BLOCK - 1)
-        speedups.append(round(SEED_TOKENS_PER_STEP * plain / step, 2))
+        speedups.append(round(SEED_TOKENS_PER_STEP * none / step, 2))
     return speedups
 
 
@@ -301,12 +303,12 @@ def _notes(fits: dict[Form, tuple[Roofline, float]], roof: Roofline) -> list[str
         "but not with verified tokens, beyond reading 2K tokens of K/V. Its source is not modelled (rejection and "
         "ragged-draft bookkeeping per request, attention over multi-token queries below its roofline, or longer real "
         "contexts). It is charged only to steps verifying drafts, ramping as min(bs, n - bs) requests that can hold "
-        "one. Check (not fitted): DFlash-B16 full verify over plain decoding at bs 4/8/16/32/64 with "
+        "one. Check (not fitted): DFlash-B16 full verify over no speculation (none) at bs 4/8/16/32/64 with "
         f"{SEED_TOKENS_PER_STEP:.2f} tokens per request per step (the seed's 201.2 / 32) is "
         f"{_full_verify_speedups(roof, False)} here against the seed's current 3.16 / 1.87 / 1.16 / 0.80 / 0.65; "
-        f"charging per_request to plain steps too would give {_full_verify_speedups(roof, True)}.",
-        "Plain decoding step (the autoregressive baseline): verify(bs, bs), one token per request: t0 + the same "
-        "rooflines, no per-request term, no drafter in the engine.",
+        f"charging per_request to none's steps too would give {_full_verify_speedups(roof, True)}.",
+        "A step of none (no speculation, the autoregressive reference): verify(bs, bs), one token per request: "
+        "t0 + the same rooflines, no per-request term, no drafter in the engine.",
         f"Drafter (DFlash-b16 for Qwen3-8B): {d.layers} Qwen3 decoder layers at the target's shape (hidden "
         f"{t.hidden}, intermediate {t.intermediate} assumed equal to the target's), fc fusing {d.context_layers} "
         "target layers' hidden states, the target's embedding and lm_head shared. 5 layers: the project's research "
@@ -329,7 +331,7 @@ def _notes(fits: dict[Form, tuple[Roofline, float]], roof: Roofline) -> list[str
 
 def h20_cost_model(batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), k: int = BLOCK - 1) -> CostModel:
     """The fitted roofline as the engine's cost table: verify at every bs * (1 + d), d = 0..k; drafter at every
-    width 0..k; plain steps; the assumptions in ``notes``."""
+    width 0..k; ``none`` steps (no speculation); the assumptions in ``notes``."""
     fits = fit_all()
     roof = _best(fits)
     fingerprint = Fingerprint(hardware="NVIDIA H20 (roofline model)", model="Qwen3-8B (roofline)",
@@ -337,7 +339,7 @@ def h20_cost_model(batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), k: i
     points = {bs: [(bs * (1 + d), roof.verify_ms(bs, bs * (1 + d)), 1) for d in range(k + 1)] for bs in batch_sizes}
     draft = {bs: {w: (roof.draft_ms(bs, w), 1) for w in range(k + 1)} for bs in batch_sizes}
     return CostModel("h20-qwen3-8b", CostTable(fingerprint, points, draft=draft), ENGINE_PER_STEP_MS,
-                     ENGINE_PER_TOKEN_MS, {bs: roof.plain_ms(bs) for bs in batch_sizes}, _notes(fits, roof))
+                     ENGINE_PER_TOKEN_MS, {bs: roof.none_ms(bs) for bs in batch_sizes}, _notes(fits, roof))
 
 
 def _report(fits: dict[Form, tuple[Roofline, float]], roof: Roofline) -> str:
@@ -348,8 +350,8 @@ def _report(fits: dict[Form, tuple[Roofline, float]], roof: Roofline) -> str:
     lines += [f"{r['bs']:4d}  {r['ratio']:5.2f}  {r['tokens']:6d}  {r['measured_ms']:11.1f}  {r['model_ms']:8.2f}  "
               f"{r['residual_ms']:+8.2f}  {r['residual_pct']:+7.1f}  {'*' if r['fitted'] else ''}"
               for r in residuals(roof)]
-    lines += ["", "  bs  plain_ms  draft_w0  draft_w3  draft_w7  draft_w15  verify_full"]
-    lines += [f"{bs:4d}  {roof.plain_ms(bs):8.2f}  " + "  ".join(f"{roof.draft_ms(bs, w):8.2f}" for w in (0, 3, 7))
+    lines += ["", "  bs   none_ms  draft_w0  draft_w3  draft_w7  draft_w15  verify_full"]
+    lines += [f"{bs:4d}  {roof.none_ms(bs):8.2f}  " + "  ".join(f"{roof.draft_ms(bs, w):8.2f}" for w in (0, 3, 7))
               + f"  {roof.draft_ms(bs, 15):9.2f}  {roof.verify_ms(bs, bs * BLOCK):11.2f}"
               for bs in (1, 2, 4, 8, 16, 32, 64)]
     return "\n".join(lines)

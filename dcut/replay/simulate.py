@@ -3,7 +3,7 @@
 Step n verifies what step n-1 kept (each request accepts ``min(true accepted, kept)`` and emits one
 more token), then the policy chooses a width, the trace supplies that width's drafts, and the
 policy keeps a prefix of each request's drafts. The step costs ``verify(bs, bs + kept) +
-draft(bs, width) + overhead(emitted)`` on the cost model (a plain step, no drafter, for ``none``).
+draft(bs, width) + overhead(emitted)`` on the cost model (for ``none``: a step without speculation, no drafter).
 
 Draws are common to every policy: request slot i at step n reads row ``(i * (pool // bs) + n) mod pool``
 of the pool of the width it drafted, so two policies drafting the same width at the same step see the
@@ -93,9 +93,9 @@ class Cell:
 
 
 def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
-             clock: SimClock | None = None, plain: bool = False) -> Cell:
+             clock: SimClock | None = None, none: bool = False) -> Cell:
     """Replay ``warmup + steps`` steps; the figures count the last ``steps`` (steady state).
-    ``plain``: an engine without a drafter (every step is a plain step)."""
+    ``none``: no speculation, an engine without a drafter (every step costs ``cost.none``)."""
     clock = clock or SimClock()
     begin = getattr(policy, "begin", None)
     kept = np.zeros(bs, dtype=np.int64)
@@ -112,8 +112,8 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
             last = Verified(width_prev, kept, accepted, step_ms)
         if begin is not None:
             begin(bs, kept)
-        if plain:
-            verify_ms, draft_ms, w = cost.plain(bs), 0.0, 0
+        if none:
+            verify_ms, draft_ms, w = cost.none(bs), 0.0, 0
         else:
             verify_ms = cost.verify(bs, bs + int(kept.sum()))
             clock.advance(verify_ms)
@@ -200,7 +200,7 @@ class RunnerPolicy:
 
     def predicted_tokens_per_s(self) -> float | None:
         """What the runner predicts for this batch size at the end of the run (``RunnerDCut.estimates``, the
-        figure autoscaling and routing use), to set beside what the replay measured."""
+        figure autoscaling uses), to set beside what the replay measured."""
         table = self.runner.cost_table
         cover = None if table is None else table.covering(self._bs)
         return next((e.tokens_per_s for e in self.runner.estimates() if e.batch_size == cover), None)
@@ -213,10 +213,10 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
 
     Maximises total tokens over total time (not each step's rate): Dinkelbach's iteration on
     ``tokens - rate * ms`` per step converges to the best ratio in a few rounds. Width 0 costs the
-    cheaper of a plain step and a width-0 step, so the oracle is at least ``none``.
+    cheaper of a ``none`` step (no drafter) and a width-0 step, so the oracle is at least ``none``.
     """
     widths = [0, *pools.widths]
-    zero = min(cost.plain(bs), cost.verify(bs, bs) + cost.draft(bs, 0))
+    zero = min(cost.none(bs), cost.verify(bs, bs) + cost.draft(bs, 0))
     options = []  # per step and width: (tokens [B+1], ms [B+1]) for verify budgets B = 0..accepted drafts
     for n in range(steps):
         row = []

@@ -14,7 +14,7 @@ def _snapshot(raw: dict[str, Any] | None) -> DCutSnapshot | None:
     return None if raw is None else DCutSnapshot.model_validate(raw)
 
 
-def read_stats(llm: Any) -> DCutSnapshot | None:
+def read_snapshot(llm: Any) -> DCutSnapshot | None:
     """D-Cut's snapshot (recent steps, cost source, estimates) of an offline ``vllm.LLM``; None when off."""
     return _snapshot(llm.collective_rpc("dcut_stats")[0])
 
@@ -37,8 +37,8 @@ def clear_trace(llm: Any) -> None:
     llm.collective_rpc("dcut_clear_trace")
 
 
-async def aread_stats(engine: Any) -> DCutSnapshot | None:
-    """As ``read_stats``, for an ``AsyncLLM``."""
+async def aread_snapshot(engine: Any) -> DCutSnapshot | None:
+    """As ``read_snapshot``, for an ``AsyncLLM``."""
     return _snapshot((await engine.collective_rpc("dcut_stats"))[0])
 
 
@@ -60,3 +60,13 @@ def read_specexit_usage(llm: Any, prefix: str = "") -> dict[str, dict[str, Any]]
 async def aread_specexit_usage(engine: Any, prefix: str) -> dict[str, dict[str, Any]]:
     """As ``read_specexit_usage``, for an ``AsyncLLM`` and the requests of one response id."""
     return (await engine.collective_rpc("dcut_specexit_usage", args=(prefix,)))[0]
+
+
+def read_request_usage(llm: Any, prefix: str = "") -> dict[str, dict[str, Any]]:
+    """What speculation did per request (engine id -> ``dcut.speculation.SpeculationUsage``) in a ``vllm.LLM``."""
+    return llm.collective_rpc("dcut_request_usage", args=(prefix,))[0]
+
+
+async def aread_request_usage(engine: Any, prefix: str) -> dict[str, dict[str, Any]]:
+    """As ``read_request_usage``, for an ``AsyncLLM`` and the requests of one response id."""
+    return (await engine.collective_rpc("dcut_request_usage", args=(prefix,)))[0]

@@ -1,7 +1,7 @@
 """SpecExit inside a vLLM model runner: signals from the drafter pass that already runs, the cut in the verifier.
 
 One ``RunnerSpecExit`` lives on a model runner whose engine has ``{"specexit": {...}}`` in its
-``additional_config``. The flow of one engine step, driven by ``dcut.vllm.patches``:
+``additional_config``. The flow of one engine step, driven by ``dcut.vllm.step_hooks`` and ``dcut.vllm.confidence``:
 
 1. ``GPUModelRunner._sample`` — after the rejection sampler: for each request that is thinking, if its smoothed
    signals pass and one of this step's accepted tokens ends a paragraph, the row of sampled tokens is cut after

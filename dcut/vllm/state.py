@@ -1,7 +1,7 @@
 """D-Cut's per-engine state inside a vLLM model runner: choose the width, decide, cut, measure.
 
-One ``RunnerDCut`` lives on each model runner. The flow of one engine step, as driven by the
-patches in ``dcut.vllm.patches``:
+One ``RunnerDCut`` lives on each model runner (``dcut.vllm.runner_hooks.RunnerHooks``). The flow of one
+engine step, as driven by the wrappers in ``dcut.vllm.step_hooks``:
 
 1. ``begin_step``   (``execute_model``) — note the shape of the step and start its clock;
 2. ``choose_width`` (``propose_draft_token_ids``, before drafting) — the target's part of the
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +30,18 @@ import torch
 from torch import Tensor
 
 from dcut.calibration import Calibrator
-from dcut.cost_table import CostTable, EngineOverhead, Fingerprint, StepCost, profile_cost_table
-from dcut.learned import LearnedState
-from dcut.selection import Decision, select
+from dcut.cost_table import CostTable, Fingerprint, StepCost
+from dcut.overhead import EngineOverhead
+from dcut.selection import select
 from dcut.settings import DCutSettings
-from dcut.snapshot import CostSource, DCutSnapshot, Overhead, ThroughputEstimate, Totals, WindowSummary
-from dcut.telemetry import StepRecord, StepWindow, throughput_by_batch_size
+from dcut.snapshot import CostSource
+from dcut.speculation import RequestSpeculation
+from dcut.telemetry import StepRecord, StepWindow
 from dcut.trace import TraceWriter
 from dcut.vllm import metrics
 from dcut.vllm.engine import additional_settings
+from dcut.vllm.runner_knowledge import RunnerKnowledge
+from dcut.vllm.step_records import Cycle, LastDrafts, Pending, Verified
 from dcut.width import (
     OPTIMISM,
     Explorer,
@@ -57,51 +58,8 @@ from dcut.width import (
 logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
+NEVER = -1.0e4  # a log-confidence no budget keeps (exp underflows to 0), without -inf arithmetic
 POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before it replaces the pooled one
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "dcut" / "cost_tables"
-
-
-@dataclass
-class _Pending:
-    """What ``on_drafted`` decided, waiting for ``cut`` (tensors may still be on the device)."""
-
-    keep: Tensor | None  # None: keep every draft (full width, a probe)
-    decision: Decision | None
-    log_conf: Tensor
-    selection_us: float
-    expected: Tensor | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
-
-
-@dataclass
-class _Verified:
-    """Outcome of the verification done in this step (for stats and calibration)."""
-
-    req_ids: list[str]
-    num_draft: Tensor  # drafts verified per request (what was scheduled)
-    accepted: Tensor  # drafts accepted per request
-    width: int  # the width those drafts were drafted at
-
-
-@dataclass
-class _Cycle:
-    """A width's cost from its drafter pass to the verification of its drafts (mode joint)."""
-
-    bucket: int  # covering batch size
-    width: int
-    probe: bool  # a probe verifies everything: a lower bound of what the width delivers under the policy
-    ms: float
-    clean: bool = False  # the engine went straight on to the next step
-    predicted_tokens: float = 0.0  # what the decision expected the cycle to emit, and to cost (ms)
-    predicted_ms: float = 0.0
-
-
-@dataclass
-class _LastDrafts:
-    """The raw confidences of the drafts handed to the scheduler, for calibration next step."""
-
-    index: dict[str, int]
-    log_conf: Tensor  # [bs, width] on the host
-    width: int
 
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
@@ -109,8 +67,9 @@ def settings_from_config(vllm_config: Any) -> DCutSettings | None:
     return additional_settings(vllm_config, "dcut", DCutSettings)
 
 
-class RunnerDCut:
-    """D-Cut attached to one model runner."""
+class RunnerDCut(RunnerKnowledge):
+    """D-Cut attached to one model runner: the step. Its cost table, learned state and published figures:
+    ``RunnerKnowledge`` (``dcut.vllm.runner_knowledge``)."""
 
     def __init__(self, settings: DCutSettings, fingerprint: Fingerprint, k: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -125,7 +84,7 @@ class RunnerDCut:
         self.probes = ProbeBudget(self.widths, settings.probe_share)
         self.realized = RealizedRates()
         self.explorer = Explorer()
-        self._cycle: _Cycle | None = None  # the last width's cycle, still being paid for
+        self._cycle: Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None
         self.cost_source: CostSource = "pending"
         self.cost_path: str | None = None
@@ -135,9 +94,9 @@ class RunnerDCut:
         self.pooled_calibrator = Calibrator(k) if settings.calibrate and len(self.calibrators) > 1 else None
         self.window = StepWindow(settings.stats_window)
         self.steps = 0
-        self._pending: _Pending | None = None
-        self._verified: _Verified | None = None
-        self._last: _LastDrafts | None = None
+        self._pending: Pending | None = None
+        self._verified: Verified | None = None
+        self._last: LastDrafts | None = None
         self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
         self._step_start = 0.0
         self._draft_start: float | None = None
@@ -146,7 +105,7 @@ class RunnerDCut:
         self._draft_ms: float | None = None
         self.overhead = EngineOverhead()  # engine time outside execute_model..drafter, by tokens emitted
         self._emitted = 0  # tokens the last recorded step emitted (bs + accepted drafts)
-        self._finished_cycle: _Cycle | None = None
+        self._finished_cycle: Cycle | None = None
         self._step_bs = 0
         self.width = k  # the width drafted this step
         self.probe = False
@@ -157,73 +116,8 @@ class RunnerDCut:
         self.tracer = TraceWriter(k, {"fingerprint": fingerprint.model_dump(), "k": k}) if settings.trace else None
         self.trace_widths = [w for w in settings.trace_widths if w <= k] or [k]
         self._trace_turn = 0
-
-    # -- cost table ------------------------------------------------------------------------
-    def cache_path(self) -> Path:
-        root = Path(self.settings.cache_dir) if self.settings.cache_dir else DEFAULT_CACHE_DIR
-        return root / f"{self.fingerprint.key()}.json"
-
-    def load_or_profile(self, run_step: Any, run_draft: Any, batch_sizes: list[int]) -> None:
-        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache).
-
-        Every mode loads one: the modes that do not decide by cost still give throughput estimates.
-        """
-        start = time.perf_counter()
-        if self.settings.cost_table:
-            self.cost_table = CostTable.load_for(self.settings.cost_table, self.fingerprint)
-            self.cost_source, self.cost_path = "given", str(self.settings.cost_table)
-        elif self.cache_path().exists():
-            self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
-            self.cost_source, self.cost_path = "cache", str(self.cache_path())
-        elif self.settings.profile:
-            # Every default width as well as the chosen ones: the table is cached by fingerprint and
-            # shared with engines whose widths differ.
-            widths = sorted(set(widths_for(self.k)) | set(widths_for(self.k, self.settings.widths)))
-            logger.info("D-Cut: profiling verify and draft costs for batch sizes %s (K=%d, widths %s)",
-                        batch_sizes, self.k, widths)
-            self.cost_table = profile_cost_table(
-                run_step, batch_sizes, self.k, self.fingerprint, warmups=self.settings.profile_warmups,
-                repeats=self.settings.profile_repeats, run_draft=run_draft, widths=widths)
-            self.cost_table.save(self.cache_path())
-            self.cost_source = "profiled"
-        else:
-            self.cost_source = "fallback"
-        logger.info("D-Cut: cost table %s%s in %.1f s", self.cost_source, f" ({self.cost_path})" if self.cost_path
-                    else "", time.perf_counter() - start)
-        if self.settings.learned and self.joint:
-            state = LearnedState.model_validate_json(Path(self.settings.learned).read_text())
-            if state.fingerprint != self.fingerprint.key() or state.widths != self.widths:
-                logger.warning("D-Cut: learned state %s is of another engine (fingerprint or widths): ignored",
-                               self.settings.learned)
-            else:
-                self.adopt(state)
-                logger.info("D-Cut: started from learned state %s (%d measured widths x buckets)",
-                            self.settings.learned, len(state.realized))
-
-    # -- learned state (dcut.learned) -------------------------------------------------------
-    def learned(self) -> LearnedState | None:
-        """Mode joint: what this runner has learned, for a replica that starts after it."""
-        if not self.joint:
-            return None
-        ws = self.width_stats
-        return LearnedState(
-            fingerprint=self.fingerprint.key(), k=self.k, widths=self.widths, reached=ws.reached.tolist(),
-            accepted=ws.accepted.tolist(), expected=ws.expected.tolist(),
-            expected_requests=ws.expected_requests.tolist(),
-            calibration={w: c.state() for w, c in self.calibrators.items()},
-            pooled_calibration=None if self.pooled_calibrator is None else self.pooled_calibrator.state(),
-            realized=self.realized.cells(), overhead_ms=(self.overhead.per_step_ms, self.overhead.per_token_ms))
-
-    def adopt(self, state: LearnedState) -> None:
-        """Start from ``state`` (same fingerprint and widths): acceptance, calibration, measured rates."""
-        self.width_stats.load(state.reached, state.accepted, state.expected, state.expected_requests)
-        for w, cal in state.calibration.items():
-            if w in self.calibrators:
-                self.calibrators[w].load(cal)
-        if self.pooled_calibrator is not None and state.pooled_calibration is not None:
-            self.pooled_calibrator.load(state.pooled_calibration)
-        self.realized.load(state.realized)
-        self.overhead.per_step_ms, self.overhead.per_token_ms = state.overhead_ms
+        self.requests = RequestSpeculation(k, settings.default_max_width)  # caps, and what speculation did
+        self._caps: list[int] | None = None  # this step's caps, in batch order (None: none below K)
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
@@ -304,15 +198,20 @@ class RunnerDCut:
         return None if verify is None or draft is None else verify + draft + float(self.overhead.ms(bs * (1 + width)))
 
     def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
-                   num_draft_tokens: list[int] | None, context_lens: list[int] | None = None) -> None:
+                   num_draft_tokens: list[int] | None, context_lens: list[int] | None = None,
+                   caps: list[int] | None = None) -> None:
         """Decide keep depths for fresh drafts ``[bs, W]``; note the just-verified outcome.
-        ``context_lens``: each request's tokens so far (recorded in a trace)."""
+        ``context_lens``: each request's tokens so far (recorded in a trace); ``caps``: each request's cap on
+        its drafts (``dcut.speculation``; None: K for all)."""
+        self._caps = caps if caps is not None and min(caps, default=self.k) < self.k else None
+        self.requests.drafted(req_ids, caps or [self.k] * len(req_ids),
+                              self.width if log_conf is not None and log_conf.shape[-1] else 0)
         self._draft_end = self._clock()
         self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
         self._draft_start = None
         bucket = None if self.cost_table is None else self.cost_table.covering(len(req_ids))
         finished = self._cycle
-        self._cycle = None if bucket is None or self._draft_ms is None else _Cycle(bucket, self.width, self.probe,
+        self._cycle = None if bucket is None or self._draft_ms is None else Cycle(bucket, self.width, self.probe,
                                                                                    self._draft_ms)
         if finished is not None and self._verify_ms is not None:
             finished.ms += self._verify_ms
@@ -320,8 +219,9 @@ class RunnerDCut:
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
             accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0)
-            self._verified = _Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted.cpu(),
+            self._verified = Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted.cpu(),
                                        self._last.width)
+            self.requests.accepted(req_ids, self._verified.accepted.tolist())
         else:
             self._verified = None
         if self.tracer is not None:
@@ -332,13 +232,17 @@ class RunnerDCut:
         start = self._clock()
         calibrator = self._calibrator(log_conf.shape[-1])
         if self.probe or self.settings.mode == "full" or self.tracer is not None:
-            self._pending = _Pending(None, None, log_conf, 0.0, self._expected(log_conf, calibrator))
+            self._pending = Pending(None, None, log_conf, 0.0, self._expected(log_conf, calibrator))
             return
         scored = calibrator.calibrate(log_conf) if calibrator is not None else log_conf
+        if self._caps is not None:  # drafts beyond a request's cap are worth nothing to the budget
+            beyond = torch.arange(scored.shape[-1], device=scored.device) >= torch.tensor(
+                self._caps, device=scored.device)[:, None]
+            scored = scored.masked_fill(beyond, NEVER)
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
                                                              float(self.overhead.ms(log_conf.shape[0])))
         keep, decision = select(scored, self.settings, cost)
-        self._pending = _Pending(keep, decision, log_conf, (self._clock() - start) * 1e6,
+        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6,
                                  marginal_gains(scored) if self.joint else None)
 
     def _expected(self, log_conf: Tensor, calibrator: Calibrator | None) -> Tensor | None:
@@ -374,15 +278,19 @@ class RunnerDCut:
         if pending is not None and pending.keep is not None and len(drafts) == pending.keep.shape[0]:
             depths = pending.keep.tolist()
             drafts = [d[:n] for d, n in zip(drafts, depths, strict=True)]
+        caps, self._caps = self._caps, None
+        if caps is not None and len(caps) == len(drafts):  # a request's cap holds in every mode, probes included
+            drafts = [d[:c] for d, c in zip(drafts, caps, strict=True)]
+        self.requests.verified(req_ids, [len(d) for d in drafts])
         step_ms = (self._clock() - self._step_start) * 1000.0
         self._record(pending, verified, step_ms)
         self._last = None
         if pending is not None:
-            self._last = _LastDrafts({r: i for i, r in enumerate(req_ids)}, pending.log_conf.cpu(),
+            self._last = LastDrafts({r: i for i, r in enumerate(req_ids)}, pending.log_conf.cpu(),
                                      pending.log_conf.shape[-1])
         return drafts
 
-    def _record(self, pending: _Pending | None, verified: _Verified | None, step_ms: float) -> None:
+    def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float) -> None:
         self.steps += 1
         table = self.cost_table
         if table is not None and self.settings.refine:
@@ -440,7 +348,7 @@ class RunnerDCut:
             self._last_log = time.monotonic()
             self._log_summary()
 
-    def _predict(self, cycle: _Cycle, table: CostTable, pending: _Pending | None, bs: int) -> None:
+    def _predict(self, cycle: Cycle, table: CostTable, pending: Pending | None, bs: int) -> None:
         """What this step's drafts should yield next step, and what the cycle should cost: the kept drafts'
         calibrated prefix scores (every draft for a probe), the table's verify cost for the kept tokens,
         the drafter's cost at the width and the engine's overhead."""
@@ -466,7 +374,7 @@ class RunnerDCut:
             return own
         return self.pooled_calibrator
 
-    def _update_calibration(self, verified: _Verified) -> None:
+    def _update_calibration(self, verified: Verified) -> None:
         last = self._last
         calibrator = self.calibrators.get(verified.width)
         if last is None or calibrator is None:
@@ -478,58 +386,3 @@ class RunnerDCut:
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:
                 c.update(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
-
-    def estimates(self) -> list[ThroughputEstimate]:
-        """Predicted tokens/s per profiled batch size from the cost table and live acceptance."""
-        table = self.cost_table
-        if table is None or not len(self.window):
-            return []
-        sizes = sorted(table.points)
-        if not self.joint:
-            return throughput_by_batch_size(sizes, self.window.acceptance_curve(), self.settings,
-                                            StepCost(table, self.k), draft_ms=0.0)
-        survival = self.width_stats.survival()
-        out = []
-        for b in sizes:
-            best = choose_width(width_utilities(b, self.widths, survival, table.lookup_many, table.draft_costs,
-                                                self.overhead.ms), None, 0.0)
-            if best is not None and best.step_ms > 0:
-                out.append(ThroughputEstimate(b, best.tokens_per_step, best.step_ms, best.tokens_per_s,
-                                              best.tokens_per_s / b))
-        return out
-
-    def _log_summary(self) -> None:
-        """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
-        w = self.window
-        logger.info("D-Cut: %d steps, widths %s, mean keep ratio %s, accepted drafts/request-step %s, "
-                    "position acceptance %s, cost table %s", len(w), w.width_histogram(), _fmt(w.mean_keep_ratio()),
-                    _fmt(w.mean_accepted_length()), [_fmt(p) for p in w.position_acceptance()[:8]],
-                    self.cost_source)
-
-    # -- reading ---------------------------------------------------------------------------
-    def reset_stats(self) -> None:
-        """Forget recorded steps (e.g. after a warm-up), keep the cost table and calibration."""
-        self.window = StepWindow(self.settings.stats_window)
-        self.steps = 0
-
-    def snapshot(self) -> DCutSnapshot:
-        """The runner's one published record (`dcut.snapshot.DCutSnapshot`)."""
-        sel = [r.selection_us for r in self.window.records if r.selection_us]
-        joint = {}
-        if self.joint:
-            joint = {"width_realized": self.realized.summary(),
-                     "width_observations": self.width_stats.observations(),
-                     "width_survival": dict(zip(self.widths, self.width_stats.survival().tolist(), strict=True))}
-        return DCutSnapshot(
-            settings=self.settings, fingerprint=self.fingerprint, cost_source=self.cost_source,
-            cost_path=self.cost_path, steps=self.steps, window=WindowSummary(**self.window.summary()),
-            totals=Totals(**asdict(self.window.totals)),
-            selection_us_median=statistics.median(sel) if sel else None, estimates=self.estimates(),
-            overhead=Overhead(per_step_ms=self.overhead.per_step_ms, per_token_ms=self.overhead.per_token_ms),
-            cost_table=None if self.cost_table is None else self.cost_table.to_json(),
-            calibration={w: c.reliability() for w, c in self.calibrators.items()} or None, learned=self.learned(),
-            **joint)
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"

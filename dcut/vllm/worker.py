@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcut.vllm.patches import runner_dcut, runner_specexit
+from dcut.vllm.runner_hooks import runner_dcut, runner_specexit
 
 
 class DCutWorkerExtension:
@@ -44,3 +44,8 @@ class DCutWorkerExtension:
         """What SpecExit did for the requests whose engine id starts with ``prefix``."""
         state = runner_specexit(self.model_runner)  # type: ignore[attr-defined]
         return {} if state is None else state.usage(prefix)
+
+    def dcut_request_usage(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """What speculation did for the requests whose engine id starts with ``prefix`` (``dcut.speculation``)."""
+        state = runner_dcut(self.model_runner)  # type: ignore[attr-defined]
+        return {} if state is None else state.requests.usage(prefix)

@@ -103,6 +103,53 @@ function replicaTable(replicas, history, colorOf) {
     html("tr", {}, ...cols.map((c) => html("th", {}, c))), ...rows);
 }
 
+// A replica's start in consecutive phases (deployments.records.StartupPhases); compile and the cost table are
+// parts of the engine's init, shown as figures, not as bars of their own.
+const PHASES = [["process_s", "process", "#9e9e9e"], ["import_s", "imports", "#9467bd"],
+  ["fingerprint_s", "fingerprint", "#17becf"], ["cost_offer_s", "table offer", "#ff7f0e"],
+  ["engine_init_s", "engine init", "#1f77b4"], ["first_report_s", "first report", "#2ca02c"]];
+const STARTUP_TITLES = { process: "process created → replica constructor (Ray worker, Serve, module imports)",
+  imports: "the engine's library imported (vLLM)", fingerprint: "the engine's config resolved for its fingerprint",
+  "table offer": "asking the controller for the cost table (and waiting for another replica's profile)",
+  "engine init": "engine built until its first health check passed",
+  "first report": "engine ready → first report accepted by the controller",
+  "↳ compile": "of engine init: compiling, where the engine says", "↳ cost table": "of engine init: D-Cut's cost " +
+  "table loaded or profiled, where the plugin says", "table from": "controller, given, cache, profiled or fallback" };
+const BAR_W = 260, BAR_H = 12;
+
+function startupTable(replicas, colorOf) {
+  document.getElementById("startup-legend").replaceChildren(...PHASES.map(([, name, color]) =>
+    html("span", {}, html("i", { style: `background:${color}` }), name)));
+  const started = replicas.filter((r) => r.startup);
+  const span = (p) => PHASES.reduce((sum, [key]) => sum + (p[key] ?? 0), 0);
+  const longest = Math.max(1e-9, ...started.map((r) => span(r.startup)));
+  const cols = ["replica", "phases", "total", ...PHASES.map(([, name]) => name), "↳ compile", "↳ cost table",
+    "table from"];
+  const rows = started.map((r) => {
+    const p = r.startup;
+    const bar = svg("svg", { width: BAR_W, height: BAR_H, viewBox: `0 0 ${BAR_W} ${BAR_H}` });
+    let x = 0;
+    for (const [key, name, color] of PHASES) {
+      if (p[key] === null || p[key] === undefined) continue;
+      const w = (p[key] / longest) * BAR_W;
+      const rect = svg("rect", { x: x.toFixed(1), y: 0, width: Math.max(w, 0).toFixed(1), height: BAR_H, fill: color,
+        "data-phase": key });
+      rect.append(svg("title", {}, `${name}: ${fmt(p[key], 1)} s`));
+      bar.append(rect);
+      x += w;
+    }
+    const cells = [p.total_s === null ? `${fmt(span(p), 1)}…` : fmt(p.total_s, 1),
+      ...PHASES.map(([key]) => fmt(p[key], 1)), fmt(p.compile_s, 1), fmt(p.cost_table_s, 1),
+      p.cost_table_source ?? "off"];
+    return html("tr", { "data-replica": r.replica_id }, html("td", { class: "text", style: "white-space:nowrap", title: r.replica_id },
+      html("i", { style: `display:inline-block;width:10px;height:10px;margin-right:4px;background:${colorOf(r.replica_id)}` }),
+      short(r.replica_id)), html("td", { class: "bar" }, bar), ...cells.map((c) => html("td", {}, String(c))));
+  });
+  document.getElementById("startup").replaceChildren(
+    html("tr", {}, ...cols.map((c) => html("th", STARTUP_TITLES[c] ? { title: STARTUP_TITLES[c] } : {}, c))),
+    ...(rows.length ? rows : [html("tr", {}, html("td", { class: "text", colspan: cols.length }, "no replica has reported its start yet"))]));
+}
+
 function replicaCharts(status, history, colorOf) {
   const now = Date.now() / 1000;
   const ago = (t) => (t - now) / 60;
@@ -189,6 +236,7 @@ async function refresh() {
     const ids = [...new Set([...status.replicas.map((r) => r.replica_id), ...Object.keys(history.replicas)])].sort();
     const colorOf = (id) => COLORS[ids.indexOf(id) % COLORS.length];
     replicaTable(status.replicas, history, colorOf);
+    startupTable(status.replicas, colorOf);
     replicaCharts(status, history, colorOf);
     clusterCharts(status, history);
     scaling(status.autoscaling, status.cluster);

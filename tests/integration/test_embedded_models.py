@@ -1,7 +1,7 @@
 """The shipped pairs (`dcut.settings.EMBEDDED_MODELS`: dense, deep, moe, reasoning) load in vLLM on CPU and
 greedy output with DFlash speculative decoding equals greedy output without it.
 
-The check is `dcut.train.verify.run_verify` (what ``python -m dcut.train.verify`` runs), on in-process
+The check is `train.verify.run_verify` (what ``python -m train.verify`` runs), on in-process
 engines in the test session's engine environment (``tests/conftest.py``).
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from dcut.prompts import load_prompts
 from dcut.settings import EMBEDDED_MODELS
-from dcut.train.verify import run_verify
+from train.verify import run_verify
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "models"

@@ -13,16 +13,15 @@ import csv
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from loadtest.arms import ARMS, arm_args
-from loadtest.metrics import LATENCIES, PERCENTILES
+from loadtest.figures import LATENCIES, PERCENTILES
 from loadtest.results import run_result
-from tests.serve_apps import delete_apps
+from tests.serve_apps import delete_apps, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -68,9 +67,9 @@ def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
     serve.run_many([RunTarget(build_app(arm_args(args, arm, SCHEDULE)), name=f"lt-{arm}", route_prefix=f"/lt-{arm}")
                     for arm in ARMS], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
-    deadline = time.monotonic() + 360  # four engines starting at once on 2 cores (each profiles its cost table)
     waiting = set(ARMS)
-    while waiting:
+
+    def all_serve() -> bool:
         for arm in sorted(waiting):
             app = serve.status().applications.get(f"lt-{arm}")
             if app is not None and app.status == "DEPLOY_FAILED":
@@ -83,15 +82,17 @@ def arm_apps(ray_cluster, tiny_models, tmp_path_factory):
                     waiting.discard(arm)
             except httpx.HTTPError:
                 pass
-        assert time.monotonic() < deadline, f"arms {sorted(waiting)} did not serve within 360 s"
-        time.sleep(1)
+        return not waiting
+
+    # four engines starting at once on 2 cores (each profiles its cost table)
+    wait_until(all_serve, 360, lambda: f"service from arms {sorted(waiting)}", every_s=1)
     yield {arm: f"{ROOT}/lt-{arm}" for arm in ARMS}
     delete_apps(*(f"lt-{arm}" for arm in ARMS))
 
 
 @pytest.fixture(scope="module")
 def loadtest_app(arm_apps):
-    return arm_apps["dcut"]
+    return arm_apps["joint"]
 
 
 def _locust(host: str, prefix: Path, users: int = 3, seconds: int = 6) -> subprocess.CompletedProcess:
@@ -124,7 +125,7 @@ def test_locust_streams_and_records_ttft_itl(loadtest_app, tmp_path):
     assert 0 < float(ttft["Average Response Time"]) <= float(request["Max Response Time"])
     assert 4 <= float(request["Average Content Size"]) <= 12  # output tokens, ignore_eos -> max_tokens
 
-    result = run_result(prefix, "dcut", 3)
+    result = run_result(prefix, "joint", 3)
     assert result.failures == 0 and result.user_errors == 0 and not result.errors
     assert result.output_tokens > 0 and result.output_tokens_per_s > 0 and result.ttft_p50_ms > 0
 
@@ -139,7 +140,7 @@ def test_failures_carry_the_openai_error_message(loadtest_app, tmp_path):
          "--only-summary", "--api-key", "wrong", "--think-time", "0.2:0.2"],
         capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert proc.returncode == 1  # Locust: failures -> exit code 1
-    result = run_result(prefix, "dcut", 1)
+    result = run_result(prefix, "joint", 1)
     assert result.requests > 0 and result.failures == result.requests
     assert result.ttft_p50_ms is None
     assert any("HTTP 401" in e["error"] and "API key" in e["error"] for e in result.errors), result.errors
@@ -179,17 +180,17 @@ def test_report_of_every_arm(arm_apps, tmp_path):
         else:  # the replica's step totals moved during the point
             assert s["mean_accepted_length"] is not None and 0 <= s["mean_accepted_length"] <= 7, where
             # joint may draft nothing over a whole point (width 0): no step proposed a draft, no keep ratio
-            assert s["keep_ratio"] is None and p["arm"] == "dcut" or 0 < s["keep_ratio"] <= 1, where
+            assert s["keep_ratio"] is None and p["arm"] == "joint" or 0 < s["keep_ratio"] <= 1, where
             if p["arm"] in ("full", "dynamic"):  # every draft verified
                 assert s["keep_ratio"] == pytest.approx(1.0), where
     assert [r["requests_log"].startswith("raw/") for r in record["runs"]] == [True] * len(runs)
     assert all((out / r["requests_log"]).stat().st_size > 0 for r in record["runs"])
 
     assert {k: [s["arm"] for s in v] for k, v in record["stops_paying"].items()} == \
-        {"users": ["full", "dynamic", "dcut"], "rate": ["full", "dynamic", "dcut"]}
+        {"users": ["full", "dynamic", "joint"], "rate": ["full", "dynamic", "joint"]}
     md = (out / "results.md").read_text()
     lines = [line for line in md.splitlines() if line.startswith("- **")]
-    assert len(lines) == 2 and all(f"`{a}`" in line for line in lines for a in ("full", "dynamic", "dcut")), lines
+    assert len(lines) == 2 and all(f"`{a}`" in line for line in lines for a in ("full", "dynamic", "joint")), lines
     for name in ("throughput.png", "latency.png"):
         assert (out / name).stat().st_size > 10_000, name
     text = (out / "results.json").read_text()

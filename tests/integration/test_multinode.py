@@ -103,38 +103,70 @@ def test_replicas_spread_over_nodes_warm_start_and_a_proxy_on_each(multinode, ra
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
 
 
+def _replicas() -> list[dict]:
+    """The replicas reporting now; none while the request went through the killed node's proxy (shared port)."""
+    try:
+        return _status()["replicas"]
+    except httpx.TransportError:
+        return []
+
+
 def test_worker_node_killed_under_load(multinode, ray_cluster):
+    """Load spans the kill; a second load starts after it, so each of its successes is a request the app took in
+    after losing the node: some while the replacement is not running yet (one replica serving), more after it."""
     from loadtest.faults import Load
 
     before = {r["node_id"]: r["replica_id"] for r in _status()["replicas"]}
     victim = next(w for w in multinode if w.node_id in before)
     killed = before[victim.node_id]
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 16, "ignore_eos": True}
+    replicas: list[dict] = []
+
+    def replaced() -> bool:
+        replicas[:] = _replicas()
+        return len(replicas) == 2 and killed not in {r["replica_id"] for r in replicas}
+
+    def replacement_running() -> bool:
+        """Serve runs a replica besides the two it started with, past its start-up: routers may send it requests."""
+        from ray import serve
+        from ray._private import state
+
+        names = [a["Name"] for a in state.actors(actor_state_name="ALIVE").values()
+                 if "multi#EngineReplica#" in a["Name"]]
+        new = [name for name in names if not any(name.endswith(f"#{rid}") for rid in before.values())]
+        states = serve.status().applications["multi"].deployments["EngineReplica"].replica_states
+        return bool(new) and not states.get("STARTING")
+
+    def new_replica_served() -> bool:
+        new = [r for r in _replicas() if r["replica_id"] not in before.values()]
+        return bool(new) and new[0]["load"]["generated_tokens_total"] > 0
 
     async def drill():
         async with httpx.AsyncClient(base_url=BASE, timeout=120) as c:
             async with Load(c, body, users=3, client_retries=2) as load:
-                await asyncio.sleep(1.0)
+                await asyncio.to_thread(wait_until, lambda: load.outcomes["200"] >= 3, 60, "successes before the kill")
                 t0 = time.monotonic()
                 await asyncio.to_thread(ray_cluster.remove_node, victim, False)  # SIGKILL, no drain
-                while True:
-                    try:
-                        replicas = (await c.get("/dcut/status")).json()["replicas"]
-                    except httpx.TransportError:  # a pooled connection to the killed node's proxy (shared port)
-                        replicas = []
-                    if len(replicas) == 2 and killed not in {r["replica_id"] for r in replicas}:
-                        break
-                    assert time.monotonic() - t0 < 240, f"no replacement reporting: {replicas}"
-                    await asyncio.sleep(0.5)
-                replaced_s = time.monotonic() - t0
-                await asyncio.sleep(2.0)  # the load keeps going on both replicas
-            return load, replicas, replaced_s
+                async with Load(c, body, users=2, client_retries=2) as after:  # every request sent after the kill
+                    await asyncio.to_thread(wait_until, lambda: after.outcomes["200"] >= 4, 60,
+                                            lambda: f"successes of requests sent after the kill: {after.outcomes}")
+                    served_s = time.monotonic() - t0
+                    # served with one replica: the replacement needs seconds to start its engine
+                    degraded = not await asyncio.to_thread(replacement_running)
+                    await asyncio.to_thread(wait_until, replaced, 240, lambda: f"replacement reporting: {replicas}")
+                    replaced_s = time.monotonic() - t0
+                    at_replacement = after.outcomes["200"]
+                    await asyncio.to_thread(wait_until, new_replica_served, 60, "request served by the replacement")
+                    await asyncio.to_thread(wait_until, lambda: after.outcomes["200"] >= at_replacement + 4, 60,
+                                            "successes after the replacement")
+            return load, after, degraded, served_s, replaced_s
 
-    load, replicas, replaced_s = asyncio.run(drill())
-    print(f"worker node killed: outcomes {dict(load.outcomes)}, client reconnects {dict(load.reconnects)}, "
-          f"replaced in {replaced_s:.1f} s")
-    assert not load.failed, load.outcomes
-    assert load.outcomes["200"] > 0
+    load, after, degraded, served_s, replaced_s = asyncio.run(drill())
+    print(f"worker node killed: load across the kill {dict(load.outcomes)} (client reconnects "
+          f"{dict(load.reconnects)}), load sent after it {dict(after.outcomes)} (reconnects {dict(after.reconnects)}),"
+          f" 4 requests sent after the kill served {served_s:.1f} s after it, replaced in {replaced_s:.1f} s")
+    assert not load.failed and not after.failed, (load.outcomes, after.outcomes)
+    assert degraded, "the replacement was running before 4 requests sent after the kill were served"
     (new,) = [r for r in replicas if r["replica_id"] not in before.values()]
     survivors = {ray_cluster.head_node.node_id, *(w.node_id for w in multinode if w is not victim)}
     assert new["node_id"] in survivors and new["node_id"] != victim.node_id

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os", "if x > 0:", "while True:",
            "return self", "print("] * 2
-MODES = ("full", "fixed", "auto", "continuous", "joint")
+MODES = ("full", "fixed", "reference", "continuous", "joint")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def _run(settings: EngineSettings) -> dict:
     """Greedy bs=1 then bs=16 on one engine; hashes, D-Cut stats and vLLM's spec-decode counters."""
     from vllm import LLM, SamplingParams
 
-    from dcut.vllm.api import read_cost_table, read_stats
+    from dcut.vllm.api import read_cost_table, read_snapshot
     from dcut.vllm.engine import engine_kwargs
 
     llm = LLM(**engine_kwargs(settings), disable_log_stats=False)
@@ -56,7 +56,7 @@ def _run(settings: EngineSettings) -> dict:
         res = llm.generate(PROMPTS[:bs], params, use_tqdm=False)
         out[bs] = token_ids_sha256([list(r.outputs[0].token_ids) for r in res])
     if settings.dcut is not None:
-        out["stats"] = read_stats(llm)
+        out["stats"] = read_snapshot(llm)
         out["table"] = read_cost_table(llm)
     counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     out["drafted"] = counters.get("vllm:spec_decode_num_draft_tokens")
@@ -80,14 +80,14 @@ def test_greedy_identical_across_modes(tiny, cache_dir, plain, method):
     full, fixed = results["full"]["stats"].window, results["fixed"]["stats"].window
     assert full.mean_keep_ratio == pytest.approx(1.0)
     assert fixed.mean_keep_ratio < 0.9, "fixed ratio 0.5 must cut drafts"
-    assert results["auto"]["table"] is not None and results["auto"]["table"]["fingerprint"]["k"] in (3, 7)
+    assert results["reference"]["table"] is not None and results["reference"]["table"]["fingerprint"]["k"] in (3, 7)
     joint = results["joint"]["stats"]
     assert sum(joint.window.width_histogram.values()) > 0, "joint records the width it drafted each step"
     assert set(results["joint"]["table"]["draft"]["1"]) >= {"0", "1"}, "draft cost profiled per width"
     if method == "draft_model":
         # The drafter is a copy of the target: every *scheduled* draft is accepted. If pruned drafts
         # were counted as rejected, vLLM's acceptance would fall with the keep ratio.
-        for mode in ("fixed", "auto", "continuous", "joint"):
+        for mode in ("fixed", "reference", "continuous", "joint"):
             res = results[mode]
             if mode == "fixed":  # auto (at K=3 its 25% bucket is zero drafts) and continuous may verify none
                 assert res["drafted"], mode
@@ -133,7 +133,7 @@ def test_catch_up_keeps_the_drafter_in_sync(cache_dir, forced_widths):
 def test_cost_table_cached_and_reused(tiny, cache_dir):
     from dcut.vllm.fingerprint import fingerprint
 
-    settings = _settings(tiny, "dflash", "auto", cache_dir)
+    settings = _settings(tiny, "dflash", "reference", cache_dir)
     first = _run(settings)
     assert first["stats"].cost_source in ("cache", "profiled")
     # A controller hands tables out by the fingerprint computed from settings, before any engine runs.
@@ -147,7 +147,7 @@ def test_fingerprint_resolves_dtype_aliases_as_the_engine_does(tiny, cache_dir):
     """A controller's table is found by the key the engine will use, whatever spelling of dtype."""
     from dcut.vllm.fingerprint import fingerprint
 
-    base = _settings(tiny, "dflash", "auto", cache_dir)
+    base = _settings(tiny, "dflash", "reference", cache_dir)
     keys = {d: fingerprint(base.model_copy(update={"dtype": d})).key() for d in ("float", "float32", "half", "float16")}
     assert keys["float"] == keys["float32"] and keys["half"] == keys["float16"] != keys["float32"], keys
 
@@ -157,7 +157,7 @@ def test_bad_setting_stops_engine_with_its_name(tiny, cache_dir):
 
     from dcut.vllm.engine import engine_kwargs
 
-    kw = engine_kwargs(_settings(tiny, "dflash", "auto", cache_dir))
+    kw = engine_kwargs(_settings(tiny, "dflash", "reference", cache_dir))
     kw["additional_config"] = {"dcut": {"mode": "sometimes"}}
     with pytest.raises(Exception, match="mode"):
         LLM(**kw)
@@ -215,3 +215,51 @@ def test_a_trace_records_every_width_verified_in_full(tiny, cache_dir, tmp_path)
         assert np.isfinite(trace.verify_ms[1:]).all() and np.isfinite(trace.draft_ms).all()
         conf, _ = trace.pool(7)
         assert conf.shape[1] == 7 and np.isfinite(conf).all() and (conf <= 0).all()
+
+
+def test_per_request_caps_stay_lossless_and_within_the_cap(cache_dir):
+    """A request's ``speculation`` cap (``dcut.speculation``) inside a batch of speculating requests: on the
+    embedded Dense pair (its drafter accepts ~2 per step), requests capped at 0, 1, 3 and 7 among uncapped ones
+    decode exactly what the target alone does, are never given more drafts per step than their cap (0 drafted
+    and verified at cap 0), and a batch whose largest cap is 3 never drafts wider than 3."""
+    from vllm import LLM, SamplingParams
+
+    from dcut.speculation import EXTRA_ARG
+    from dcut.vllm.api import read_request_usage, read_snapshot
+    from dcut.vllm.engine import engine_kwargs
+
+    pair = {"target": REPO / "models" / "dense", "dflash": REPO / "models" / "dense-dflash", "draft": None}
+    caps = [None, 0, 1, 3, 7, None, 0, 3]
+
+    def params(cap: int | None) -> SamplingParams:
+        return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                              extra_args=None if cap is None else {EXTRA_ARG: cap})
+
+    def generate(settings: EngineSettings, caps: list[int | None]) -> tuple[list, dict, object]:
+        llm = LLM(**engine_kwargs(settings))
+        res = llm.generate(PROMPTS[:len(caps)], [params(c) for c in caps], use_tqdm=False)
+        usage = read_request_usage(llm) if settings.dcut is not None else {}
+        snap = read_snapshot(llm) if settings.dcut is not None else None
+        del llm
+        gc.collect()
+        by_request = [next(u for r, u in usage.items() if r.startswith(f"{out.request_id}-")) if usage else None
+                      for out in res]
+        return [list(out.outputs[0].token_ids) for out in res], by_request, snap
+
+    alone, _, _ = generate(_settings(pair, "none", "full", cache_dir), caps)
+    for mode in ("full", "joint"):  # full: the cap is the only cut; joint: the width follows the caps too
+        tokens, usage, _ = generate(_settings(pair, "dflash", mode, cache_dir), caps)
+        assert tokens == alone, f"{mode}: a capped request's output differs from the target alone"
+        for cap, u in zip(caps, usage, strict=True):
+            assert u["steps"] > 0
+            limit = 7 if cap is None else cap
+            assert u["drafted_tokens"] <= limit * u["steps"], (mode, cap, u)
+            assert u["verified_tokens"] <= limit * u["steps"], (mode, cap, u)
+            assert u["accepted_tokens"] <= u["verified_tokens"], (mode, cap, u)
+            if cap == 0:
+                assert u["drafted_tokens"] == u["verified_tokens"] == u["accepted_tokens"] == 0, (mode, u)
+        if mode == "full":  # every request below its cap is verified in full: some drafts are accepted
+            assert usage[0]["verified_tokens"] > usage[3]["verified_tokens"] > 0
+            assert sum(u["accepted_tokens"] for u in usage) > 0
+    _, _, snap = generate(_settings(pair, "dflash", "joint", cache_dir), [3, 1, 0, 3])
+    assert snap is not None and max(int(w) for w in snap.window.width_histogram) <= 3, snap.window.width_histogram

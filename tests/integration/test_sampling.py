@@ -100,7 +100,7 @@ def test_temperature_one_samples_the_targets_distribution(samples):
     """Lossless in distribution: speculative decoding (vLLM's K=1, D-Cut's cut to 1, D-Cut's default mode
     ``joint`` choosing widths) samples each position as the target alone does. vLLM 0.32's CPU verifier did not
     (p=9e-15 at position 1 with the plugin off: its per-token temperatures were uninitialised memory) until
-    ``dcut.vllm.patches`` replaced ``expand_batch_to_tokens`` on CPU."""
+    ``dcut.vllm.vllm_fixes`` replaced ``expand_batch_to_tokens`` on CPU."""
     for arm in ("vllm_k1", "cut_to_1", "joint"):
         for t in range(POSITIONS):
             p_same = _p(samples["target"], samples[arm], t)

@@ -19,6 +19,7 @@ import pytest
 
 from dcut.settings import engine_env
 from tests.fault_engine import MARKER as FAULT
+from tests.fault_engine import FaultyEngine
 from tests.serve_apps import delete_apps, wait_until
 
 pytestmark = pytest.mark.integration
@@ -43,7 +44,6 @@ def _args(models: dict, cache_dir, **replica) -> dict:
                    "num_speculative_tokens": 7, "max_num_seqs": 8, "max_model_len": 1024, "enforce_eager": True,
                    "served_model_name": MODEL, "dcut": dcut},
         "engine_replica": {"num_cpus": 0.3, "telemetry_interval_s": 1.0, "profile_wait_s": 300,
-                           "engine_cls": "tests.fault_engine:FaultyEngine",
                            "env": {**engine_env(kv_cache_gib=1), "PYTHONPATH": str(REPO)}, **replica},
         "ingress": {"api_key": KEY, "retry_after_s": 2, "num_cpus": 0.05},
         "controller": {"num_cpus": 0.02},
@@ -54,11 +54,10 @@ def _args(models: dict, cache_dir, **replica) -> dict:
 def apps(ray_cluster, tiny_models, tmp_path_factory):
     from ray import serve
 
-    from app.builder import build_app
+    from app.builder import compose_app
 
     main = _args(tiny_models, tmp_path_factory.mktemp("dcut-cache"), max_ongoing_requests=3,
                  max_queued_requests=2, max_prompt_tokens=200,
-                 routing={"policy": "dcut", "stats_period_s": 1.0, "stale_after_s": 3.0},
                  autoscaling={"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2})
     scale = _args(tiny_models, tmp_path_factory.mktemp("scale-cache"), max_ongoing_requests=8,
                   max_queued_requests=16,
@@ -69,8 +68,8 @@ def apps(ray_cluster, tiny_models, tmp_path_factory):
     # run its 5 clients at once (capacity: requests run at the objective, dcut.telemetry.capacity)
     scale["engine"]["dcut"]["profile_batch_sizes"] = [1, 8]
     t0 = time.monotonic()
-    serve.run_many([serve.RunTarget(build_app(main), name="dcut", route_prefix="/"),
-                    serve.RunTarget(build_app(scale), name="scale", route_prefix="/scale")])
+    serve.run_many([serve.RunTarget(compose_app(main, engine_cls=FaultyEngine), name="dcut", route_prefix="/"),
+                    serve.RunTarget(compose_app(scale, engine_cls=FaultyEngine), name="scale", route_prefix="/scale")])
     wait_until(lambda: len(httpx.get(f"{BASE}/dcut/status", headers=AUTH, timeout=10).json()["replicas"]) == 2,
                120, "both engine replicas reporting to the controller")
     print(f"apps ready in {time.monotonic() - t0:.1f} s")
@@ -197,25 +196,6 @@ def test_engine_fault_is_500_and_replica_survives(client):
     assert {r["replica_id"] for r in _status(client)["replicas"]} == before
 
 
-def test_replicas_publish_routing_figures(client):
-    """The main app routes on D-Cut's figures (``deployments.routing``): each replica publishes its throughput
-    curve, measured speed and running requests for the router, and requests are served through it."""
-    from ray import serve
-
-    from dcut.routing import RoutingStats
-
-    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}).status_code == 200
-    handle = serve.get_deployment_handle("EngineReplica", app_name="dcut")
-    wait_until(lambda: RoutingStats.from_dict(handle.record_routing_stats.remote().result()) is not None, 30,
-               "routing figures from a replica")
-    stats = RoutingStats.from_dict(handle.record_routing_stats.remote().result())
-    assert list(stats.batch_sizes) == [1, 4] and all(t > 0 for t in stats.tokens_per_s)
-    assert (stats.speed is None or 0.1 <= stats.speed <= 10) and stats.max_running == 8  # None: it ran no step
-    codes = [client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code
-             for _ in range(6)]
-    assert codes == [200] * 6
-
-
 def test_503_with_retry_after_when_full(apps):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "ignore_eos": True}
 
@@ -237,14 +217,14 @@ def _aborted(client) -> int:
 
 def _wait_aborted(client, before: int) -> None:
     """Until a replica counts one more aborted engine request and none runs any (its KV cache is free)."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        replicas = _status(client)["replicas"]
-        if sum(x["load"]["aborted_total"] for x in replicas) > before and \
-                all(x["load"]["engine_requests"] == 0 for x in replicas):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"engine request not aborted: {replicas}")
+    replicas: list[dict] = []
+
+    def aborted() -> bool:
+        replicas[:] = _status(client)["replicas"]
+        return sum(x["load"]["aborted_total"] for x in replicas) > before and \
+            all(x["load"]["engine_requests"] == 0 for x in replicas)
+
+    wait_until(aborted, 20, lambda: f"aborted engine request: {replicas}")
 
 
 def test_client_disconnect_aborts_engine_request(client):
@@ -266,10 +246,9 @@ def test_client_disconnect_aborts_non_streaming_request(client):
     async def give_up():
         async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=120) as c:
             request = asyncio.create_task(c.post("/v1/completions", json=body))
-            deadline = time.monotonic() + 20
-            while not any(r["load"]["engine_requests"] for r in (await c.get("/dcut/status")).json()["replicas"]):
-                assert time.monotonic() < deadline and not request.done(), "the request never reached an engine"
-                await asyncio.sleep(0.2)
+            await asyncio.to_thread(wait_until, lambda: request.done() or any(
+                r["load"]["engine_requests"] for r in _status(client)["replicas"]), 20, "request inside an engine", 0.2)
+            assert not request.done(), "the request ended before the client gave up"
             request.cancel()  # closes the connection
             with contextlib.suppress(asyncio.CancelledError):
                 await request
@@ -324,17 +303,19 @@ def test_metrics_carry_replica_label(client):
 
     port = ray.nodes()[0]["MetricsExportPort"]
     replicas = {r["replica_id"] for r in _status(client)["replicas"]}
-    deadline = time.monotonic() + 40
-    while True:
+    seen: dict = {}
+
+    def exported() -> bool:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        dcut = {line for line in text.splitlines() if line.startswith("ray_dcut_capacity_tokens_per_s{")}
-        vllm = [line for line in text.splitlines() if line.startswith("ray_vllm_num_requests_running{")]
-        steps = "ray_dcut_estimated_tokens_per_s{" in text and "ray_dcut_keep_ratio{" in text  # after a step
-        if all(any(f'replica="{r}"' in line for line in dcut) for r in replicas) and vllm and steps:
-            break
-        assert time.monotonic() < deadline, f"missing metrics: {sorted(dcut)} {vllm} estimates+keep {steps}"
-        time.sleep(2)
-    assert any('ReplicaId="' in line for line in vllm)
+        seen["dcut"] = {line for line in text.splitlines() if line.startswith("ray_dcut_capacity_tokens_per_s{")}
+        seen["vllm"] = [line for line in text.splitlines() if line.startswith("ray_vllm_num_requests_running{")]
+        seen["steps"] = "ray_dcut_estimated_tokens_per_s{" in text and "ray_dcut_keep_ratio{" in text  # after a step
+        return all(any(f'replica="{r}"' in line for line in seen["dcut"]) for r in replicas) and seen["vllm"] \
+            and seen["steps"]
+
+    wait_until(exported, 40, lambda: f"metrics: {sorted(seen['dcut'])} {seen['vllm']} estimates+keep {seen['steps']}",
+               every_s=2)
+    assert any('ReplicaId="' in line for line in seen["vllm"])
 
 
 # ---- autoscaling -----------------------------------------------------------------------------
@@ -363,9 +344,7 @@ def test_scales_up_under_load_and_back_down(apps):
         task = asyncio.create_task(load(stop))
         t0 = time.monotonic()
         try:
-            while _scale_replicas() < 2:
-                assert time.monotonic() - t0 < 120, "no scale-up within 120 s"
-                await asyncio.sleep(1)
+            await asyncio.to_thread(wait_until, lambda: _scale_replicas() >= 2, 120, "scale-up", 1)
         finally:
             stop.set()
             await task
@@ -373,9 +352,7 @@ def test_scales_up_under_load_and_back_down(apps):
 
     up_s = asyncio.run(scenario())
     t0 = time.monotonic()
-    while _scale_replicas() > 1:
-        assert time.monotonic() - t0 < 90, "no scale-down within 90 s"
-        time.sleep(1)
+    wait_until(lambda: _scale_replicas() <= 1, 90, "scale-down", every_s=1)
     print(f"scaled up in {up_s:.1f} s, down in {time.monotonic() - t0:.1f} s")
 
 
@@ -389,14 +366,21 @@ def test_status_page_in_chromium(client):
     challenge = httpx.get(f"{BASE}/dcut/").headers["www-authenticate"]
     assert challenge.startswith("Basic"), "a browser must be asked for the key"
     body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 24, "ignore_eos": True}
-    deadline = time.monotonic() + 60  # until a replica has verified drafts (joint may start at width 0)
-    while not any(a is not None for r in _status(client)["replicas"] for a in r["acceptance"]["per_position"] or []):
-        assert time.monotonic() < deadline, "no drafts verified within 60 s"
+
+    def verified() -> bool:  # until a replica has verified drafts (joint may start at width 0)
+        if any(a is not None for r in _status(client)["replicas"] for a in r["acceptance"]["per_position"] or []):
+            return True
         assert client.post("/v1/completions", json=body).status_code == 200
-    deadline = time.monotonic() + 20
-    while min(map(len, (h := client.get("/dcut/history").json())["replicas"].values()), default=0) < 2:
-        assert time.monotonic() < deadline, h
-        time.sleep(0.5)
+        return False
+
+    wait_until(verified, 60, "drafts verified", every_s=0)
+    h: dict = {}
+
+    def two_points() -> bool:
+        h.update(client.get("/dcut/history").json())
+        return min(map(len, h["replicas"].values()), default=0) >= 2
+
+    wait_until(two_points, 20, lambda: f"two history points per replica: {h}")
     status = _status(client)
     replicas = {r["replica_id"] for r in status["replicas"]}
     assert set(h["replicas"]) == replicas and h["cluster"][-1]["replicas"] == 2
@@ -408,6 +392,8 @@ def test_status_page_in_chromium(client):
                                                         "f.querySelectorAll('path.series').length])"))
         tables = page.eval_on_selector_all("figure.cost-table", "fs => fs.map(f => f.dataset.fingerprint)")
         shown = set(page.eval_on_selector_all("#replicas .replica-id", "cells => cells.map(c => c.title)"))
+        started = dict(page.eval_on_selector_all("#startup tr[data-replica]", "rows => rows.map(r => "
+                                                 "[r.dataset.replica, r.querySelectorAll('rect[data-phase]').length])"))
         latest = page.inner_text("#scaling-latest")
     assert not errors, errors
     charts = ["batch_size", "queued", "keep_ratio", "drafted_width", "tokens_per_s", "acceptance", "capacity",
@@ -415,6 +401,7 @@ def test_status_page_in_chromium(client):
     assert all(drawn.pop(f"chart-{name}") >= 1 for name in charts), drawn
     assert tables == 2 * list(status["cost_tables"]) and all(n >= 2 for n in drawn.values()), drawn  # bs 1, 4
     assert shown == replicas
+    assert set(started) == replicas and all(n >= 5 for n in started.values()), started  # a bar per start-up phase
     assert status["autoscaling"]["latest"] and latest.startswith("autoscaler now: utilisation"), latest
 
 
@@ -488,13 +475,15 @@ def test_controller_killed_serving_continues_and_restarted_controller_relearns(c
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     for _ in range(4):  # while Serve notices and restarts it
         assert client.post("/v1/completions", json=body).status_code == 200
-    while True:
+    last: list[str] = []
+
+    def relearned() -> bool:
         r = client.get("/dcut/status", timeout=30)
-        if r.status_code == 200 and {x["replica_id"] for x in r.json()["replicas"]} == ids \
-                and set(r.json()["cost_tables"]) == tables:
-            break
-        assert time.monotonic() - t0 < 90, f"the restarted controller did not relearn: {r.text[:300]}"
-        time.sleep(0.5)
+        last[:] = [r.text[:300]]
+        return r.status_code == 200 and {x["replica_id"] for x in r.json()["replicas"]} == ids \
+            and set(r.json()["cost_tables"]) == tables
+
+    wait_until(relearned, 90, lambda: f"relearning by the restarted controller: {last}")
     print(f"controller back with both replicas and their tables {time.monotonic() - t0:.1f} s after SIGKILL")
 
 
@@ -502,10 +491,11 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     """A third app starts at 2 replicas with an objective so low that the policy wants 1 (one replica runs the 5
     clients at once at batch 8, the largest in its table): the downscale comes
     while clients keep sending (streams and plain), the stopped replica finishes what it runs: 0 failures.
-    Then `serve.delete` (what `serve shutdown` does) with requests in flight: they finish too."""
+    Then `serve.delete` (what `serve shutdown` does) while 3 requests of LONG tokens run in the engine (none has
+    finished when the delete is issued): they finish after it, each 200 with all its tokens."""
     from ray import serve
 
-    from app.builder import build_app
+    from app.builder import compose_app
     from loadtest.faults import Load
 
     def scale_tables() -> list[dict]:
@@ -519,7 +509,7 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
                  autoscaling={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 2,
                               "request_tokens_per_s": 1e-3, "downscale_delay_s": 5, "look_back_period_s": 2})
     args["engine"]["dcut"]["cost_table"] = str(tmp_path / "table.json")
-    serve.run(build_app(args), name="drain", route_prefix="/drain")
+    serve.run(compose_app(args, engine_cls=FaultyEngine), name="drain", route_prefix="/drain")
 
     def states() -> dict:
         return serve.status().applications["drain"].deployments["EngineReplica"].replica_states
@@ -527,25 +517,37 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     assert states().get("RUNNING") == 2, states()
     plain = {"model": MODEL, "prompt": "Hello", "max_tokens": 32, "ignore_eos": True}
 
+    def drain_status() -> dict:
+        return httpx.get(f"{BASE}/drain/dcut/status", headers=AUTH, timeout=60).json()
+
     async def scenario():
+        busy: list[int] | None = None
+        recent: list[tuple[float, dict]] = []
+        now: dict = {}
+
+        def scaled_down() -> bool:
+            nonlocal busy, recent, now
+            now = states()
+            if now.get("RUNNING") == 1 and not now.get("STOPPING"):
+                return True
+            if busy is None and now.get("STOPPING") and recent:
+                # what each replica ran over the last 3 s before the drain was seen (reports lag by up
+                # to a second; Serve's routers may learn of the stop before serve.status shows it)
+                most: dict[str, int] = {}
+                for _, status in recent:
+                    for r in status["replicas"]:
+                        rid = r["replica_id"]
+                        most[rid] = max(most.get(rid, 0), r["load"]["ongoing_requests"])
+                busy = list(most.values())
+            recent = [(t, st) for t, st in recent if time.monotonic() - t < 3.0]
+            recent.append((time.monotonic(), drain_status()))
+            return False
+
         async with httpx.AsyncClient(base_url=f"{BASE}/drain", headers=AUTH, timeout=120) as c:
             async with Load(c, plain, 3) as load, Load(c, {**plain, "stream": True}, 2) as streams:
-                t0, busy, recent = time.monotonic(), None, []
-                while (now := await asyncio.to_thread(states)).get("RUNNING") != 1 or now.get("STOPPING"):
-                    assert time.monotonic() - t0 < 60, now
-                    if busy is None and now.get("STOPPING") and recent:
-                        # what each replica ran over the last 3 s before the drain was seen (reports lag by up
-                        # to a second; Serve's routers may learn of the stop before serve.status shows it)
-                        most: dict[str, int] = {}
-                        for _, status in recent:
-                            for r in status["replicas"]:
-                                rid = r["replica_id"]
-                                most[rid] = max(most.get(rid, 0), r["load"]["ongoing_requests"])
-                        busy = list(most.values())
-                    recent = [(t, st) for t, st in recent if time.monotonic() - t < 3.0]
-                    recent.append((time.monotonic(), (await c.get("/dcut/status")).json()))
-                    await asyncio.sleep(0.1)
-                await asyncio.sleep(1)
+                t0 = time.monotonic()
+                await asyncio.to_thread(wait_until, scaled_down, 60, lambda: f"scale-down to one replica: {now}", 0.1)
+                await asyncio.sleep(1)  # the load goes on against the one replica left
             return load, streams, busy, time.monotonic() - t0
 
     load, streams, busy, took = asyncio.run(scenario())
@@ -554,15 +556,40 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     assert not load.failed and not streams.failed, (load.outcomes, streams.outcomes)
     assert busy and len(busy) == 2 and all(n > 0 for n in busy), busy
 
+    def in_engine() -> int:
+        return sum(r["load"]["engine_requests"] for r in drain_status()["replicas"])
+
     async def shutdown():
         async with httpx.AsyncClient(base_url=f"{BASE}/drain", headers=AUTH, timeout=120) as c:
-            requests = [asyncio.create_task(c.post("/v1/completions", json={**plain, "max_tokens": 64}))
-                        for _ in range(3)]
-            await asyncio.sleep(1.5)
-            serve.delete("drain", _blocking=False)
-            return [r.status_code for r in await asyncio.gather(*requests)]
+            async def timed() -> tuple[httpx.Response, float]:
+                r = await c.post("/v1/completions", json={**plain, "max_tokens": LONG})
+                return r, time.monotonic()
 
-    assert asyncio.run(shutdown()) == [200] * 3
+            requests = [asyncio.create_task(timed()) for _ in range(3)]
+            running = 0
+
+            def three_in_engine() -> bool:  # the replica's report (LONG tokens each: seconds of decoding left)
+                nonlocal running
+                running = in_engine()
+                return running == 3 or any(r.done() for r in requests)
+
+            await asyncio.to_thread(wait_until, three_in_engine, 30, "three requests inside the engine", 0.2)
+            unfinished = sum(not r.done() for r in requests)
+            serve.delete("drain", _blocking=False)
+            deleted = time.monotonic()
+            return unfinished, running, deleted, await asyncio.gather(*requests)
+
+    unfinished, running, deleted, done = asyncio.run(shutdown())
+    assert unfinished == 3, f"only {unfinished} of 3 requests still running when the app was deleted"
+    assert running == 3, f"the replica reported {running} of them inside its engine before the delete"
+    for r, finished in done:
+        assert r.status_code == 200, r.text
+        assert finished > deleted
+        out = r.json()
+        assert out["usage"]["completion_tokens"] == LONG and out["choices"][0]["finish_reason"] == "length", out
+    print(f"serve.delete with 3 requests of {LONG} tokens in flight: all 200 and complete, finished "
+          f"{min(t for _, t in done) - deleted:.1f}-{max(t for _, t in done) - deleted:.1f} s after the delete")
+    wait_until(lambda: "drain" not in serve.status().applications, 90, "deletion of the drain app")
 
 
 def test_replica_sigkill_under_load(client):
@@ -588,7 +615,44 @@ def test_replica_sigkill_under_load(client):
     assert report.probe_stream == "error"
     assert report.children >= 1 and report.orphans == 0, "the engine core outlived its replica (dcut.vllm.lifeline)"
     assert report.dropped_from_status_s is not None and report.dropped_from_status_s <= 3 * 1.0 + 1.5
-    deadline = time.monotonic() + 40  # Ray exports metrics every few seconds
-    while _metric("ray_dcut_ingress_broken_streams_total") <= broken:
-        assert time.monotonic() < deadline, "broken stream not counted"
-        time.sleep(1)
+    # Ray exports metrics every few seconds
+    wait_until(lambda: _metric("ray_dcut_ingress_broken_streams_total") > broken, 40, "broken stream counted",
+               every_s=1)
+
+
+def test_speculation_per_request_field_usage_and_metrics(client):
+    """The ``speculation`` field (``dcut.speculation``): off for one request among speculating ones sharing steps,
+    capped at 1 for another, all three write the same greedy text; the one off reports zero drafts in its
+    ``usage.speculation``, the capped one at most one per step; a stream's usage chunk carries it too; a bad value
+    is a 400 naming the field and the replica keeps serving; per-request acceptance reaches Prometheus by route."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def complete(spec: object, **extra: object) -> httpx.Response:
+        body = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 48, "temperature": 0, **extra}
+        if spec is not None:
+            body["speculation"] = spec
+        return client.post("/v1/completions", json=body)
+
+    with ThreadPoolExecutor(3) as pool:
+        on, off, capped = [r.json() for r in pool.map(complete, [True, False, {"max_width": 1}])]
+    texts = {out["choices"][0]["text"] for out in (on, off, capped)}
+    assert len(texts) == 1, texts
+    spec = {name: out["usage"]["speculation"] for name, out in (("on", on), ("off", off), ("capped", capped))}
+    assert all(s["steps"] > 0 for s in spec.values()), spec
+    assert spec["off"]["drafted_tokens"] == spec["off"]["verified_tokens"] == spec["off"]["accepted_tokens"] == 0
+    assert spec["capped"]["verified_tokens"] <= spec["capped"]["steps"], spec
+    assert spec["capped"]["drafted_tokens"] <= spec["capped"]["steps"], spec
+
+    bad = complete({"max_width": 99})
+    assert bad.status_code == 400 and "speculation" in bad.json()["error"]["message"], bad.text
+    assert complete("sometimes").status_code == 400
+    stream = complete(None, stream=True, stream_options={"include_usage": True})
+    assert stream.status_code == 200
+    usage = [json.loads(line[6:])["usage"] for line in stream.text.splitlines()
+             if line.startswith("data: {") and json.loads(line[6:]).get("usage")]
+    assert usage and usage[-1]["speculation"]["steps"] > 0, usage
+
+    verified = sum(1 for s in (*spec.values(), usage[-1]["speculation"]) if s["verified_tokens"])
+    wait_until(lambda: _metric("ray_dcut_speculation_requests_total") >= 4
+               and _metric("ray_dcut_request_acceptance_rate_count") >= verified, 40,
+               "per-request speculation figures on Ray's metrics port", every_s=2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 
 from dcut.settings import EMBEDDED_MODELS, DCutSettings, EngineSettings
 from dcut.specexit import SpecExitSettings
+from tests.serve_apps import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_off_is_the_target_token_for_token(outputs):
 
 
 def test_on_exits_at_a_paragraph_end_then_answers_and_is_the_target_before_the_exit(outputs):
-    from dcut.train.reasoning import answer_of
+    from dcut.bench.specexit import answer_of
 
     end, decode = outputs["think_end"], outputs["decode"]
     exits = 0
@@ -140,13 +140,13 @@ def test_served_counters_reach_the_status_and_prometheus(reasoning_app):
     httpx.post(f"{reasoning_app}/v1/completions", timeout=120, json={
         "model": "reasoning", "prompt": _problems(2)[1]["prompt"], "max_tokens": MAX_TOKENS, "temperature": 0})
     port = ray.nodes()[0]["MetricsExportPort"]
-    deadline = time.monotonic() + 40
-    while True:
+    specexit: list[dict] = []
+
+    def counted() -> bool:
         status = httpx.get(f"{reasoning_app}/dcut/status", timeout=10).json()
-        specexit = [r["specexit"] for r in status["replicas"] if r.get("specexit")]
+        specexit[:] = [r["specexit"] for r in status["replicas"] if r.get("specexit")]
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        if specexit and specexit[0]["exits"] >= 1 and "ray_dcut_specexit_exits_total{" in text:
-            break
-        assert time.monotonic() < deadline, f"no SpecExit counters: {specexit}"
-        time.sleep(2)
+        return bool(specexit) and specexit[0]["exits"] >= 1 and "ray_dcut_specexit_exits_total{" in text
+
+    wait_until(counted, 40, lambda: f"SpecExit counters in the status and on Prometheus: {specexit}", every_s=2)
     assert specexit[0]["reasoning_tokens"] > 0 and specexit[0]["settings"]["confidence_min"] == 0.8

@@ -39,6 +39,34 @@ def test_tensor_parallel_with_an_in_process_engine_is_refused() -> None:
     assert ok.engine.tensor_parallel_size == 2
 
 
+def test_mode_auto_is_refused_naming_its_new_name() -> None:
+    """``auto`` was renamed ``reference``: a config still saying ``auto`` fails validation and says so (no alias);
+    a config saying nothing gets ``joint``, the product's default."""
+    from dcut.settings import DCutSettings
+
+    with pytest.raises(ValidationError, match="mode 'auto' was renamed to 'reference'"):
+        AppConfig.model_validate({"engine": {"dcut": {"mode": "auto"}}})
+    with pytest.raises(ValidationError, match="renamed to 'reference'"):
+        DCutSettings(mode="auto")
+    assert AppConfig.model_validate({"engine": {"dcut": {"mode": "reference"}}}).engine.dcut.mode == "reference"
+    assert DCutSettings().mode == "joint" and AppConfig().engine.dcut.mode == "joint"
+
+
+@pytest.mark.parametrize("routing", [{"policy": "dcut"}, {"policy": "default"}, {}])
+def test_routing_is_refused_saying_the_dcut_router_was_removed(routing: dict) -> None:
+    """The D-Cut request router lost to Serve's default router and was removed (docs/benchmarks.md §6): a config
+    that still sets ``engine_replica.routing`` (even to ``default``) fails naming the field and why."""
+    with pytest.raises(ValidationError, match=r"engine_replica\.routing .*D-Cut request router was removed") as e:
+        AppConfig.model_validate({"engine_replica": {"routing": routing}})
+    assert e.value.errors()[0]["loc"] == ("engine_replica",)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_engine_replicas_use_serves_default_router() -> None:
+    config = _deployments("app.config.yaml")["EngineReplica"]._deployment_config
+    assert config.request_router_config.request_router_class.endswith(":PowerOfTwoChoicesRequestRouter")
+
+
 def _deployments(config: str, app: str | None = None) -> dict:
     """Each deployment of ``config``'s application (the first, or ``app``) as the builder binds it, by name."""
     from app.builder import build_app

@@ -1,4 +1,4 @@
-"""The autoscaling simulator (deployments/simulator/) and the policy rules it led to: small fleets, short traces."""
+"""The autoscaling simulator (simulator/) and the policy rules it led to: small fleets, short traces."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from deployments.autoscaling import DCutPolicy, decide, latest_capacities, replicas_needed
 from deployments.records import CAPACITY_KEY, DEMAND_KEY
 from deployments.settings import AutoscalingSettings
-from deployments.simulator.__main__ import main, parse_args
-from deployments.simulator.report import Summary, choose
-from deployments.simulator.run import (
+from simulator.__main__ import main, parse_args
+from simulator.report import Summary, choose
+from simulator.run import (
     ReplicaModel,
     direction_changes,
     ideal_replicas,
     reaction_time,
     simulate,
 )
-from deployments.simulator.serve import MetricStream, metric_intervals, serve_decision
-from deployments.simulator.traces import Trace, make_trace
+from simulator.serve import MetricStream, metric_intervals, serve_decision
+from simulator.traces import Trace, make_trace
 
 REPLICA = ReplicaModel(capacity_tokens_per_s=1000.0, default_capacity_tokens_per_s=100.0, estimates_after_s=2.0,
                        request_tokens_per_s=10.0, max_ongoing_requests=16, max_num_seqs=16)

@@ -54,3 +54,17 @@ def test_unset_flags_leave_the_settings_defaults_and_set_ones_pass_through(monke
                                "--enforce-eager"))
     assert (s.num_speculative_tokens, s.tensor_parallel_size, s.enforce_eager) == (7, 2, True)
     assert (s.dcut.calibrate, s.dcut.fixed_ratio, s.dcut.zero_width) == (False, 0.3, DCutSettings().zero_width)
+
+
+def test_cli_mode_auto_is_refused_naming_its_new_name(capsys):
+    """``dcut generate --mode auto`` and ``dcut sweep --modes ...,auto``: the error names ``reference``."""
+    from dcut.bench.sweep import SWEEP_MODES
+    from dcut.cli import main
+    from dcut.commands.engine_args import batch_sizes_and_modes
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--mode", "auto"])
+    assert exit_.value.code == 2 and "mode 'auto' was renamed to 'reference'" in capsys.readouterr().err
+    with pytest.raises(CommandError, match="mode 'auto' was renamed to 'reference'"):
+        batch_sizes_and_modes("1,4", "none,auto", SWEEP_MODES)
+    assert batch_sizes_and_modes("4,1", "none,reference", SWEEP_MODES) == ([1, 4], ["none", "reference"])

@@ -35,7 +35,7 @@ def test_every_batch_size_has_a_verify_point_per_token_count(model: CostModel) -
         row = model.table.points[bs]
         assert [p[0] for p in row] == [bs * t for t in range(1, D + 1)]
         assert all(ms > 0 and n == 1 for _, ms, n in row)
-        assert model.plain(bs) == row[0][1] > 0
+        assert model.none(bs) == row[0][1] > 0
 
 
 def test_every_width_below_the_block_has_a_draft_cell(model: CostModel) -> None:

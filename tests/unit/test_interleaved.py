@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dcut.bench.generate import run_mode, settings_for_mode
 from dcut.bench.interleaved import _summaries, arms_for, bootstrap_median, markdown, verdict
 from dcut.settings import EngineSettings
 
@@ -25,15 +26,26 @@ def test_verdicts_only_where_the_interval_excludes_one():
 
 def test_arms_build_what_each_mode_means():
     base = EngineSettings()
-    modes = ["none", "dynamic", "joint", "joint-w0"]
+    modes = ["none", "full", "dynamic", "joint", "joint-w0"]
     arms = {a.name: a.settings for a in arms_for(base, modes, [(1, 4, 7), (5, 64, 3)])}
     assert arms["none"].method == "none" and arms["none"].dcut is None
+    assert arms["full"] == settings_for_mode("full", base) and arms["full"].dcut.mode == "full"  # as dcut sweep
     assert arms["dynamic"].spec_schedule == [(1, 4, 7), (5, 64, 3)] and arms["dynamic"].num_speculative_tokens == 7
+    assert arms["dynamic"].dcut.mode == "full"  # vLLM's dynamic K, every draft verified as in full
     assert arms["joint"].dcut.mode == "joint" and arms["joint-w0"].dcut.widths == [0]
     with pytest.raises(ValueError, match="schedule"):
         arms_for(base, ["dynamic"], None)
     with pytest.raises(ValueError, match="unknown mode"):
         arms_for(base, ["fastest"], None)
+    with pytest.raises(ValueError, match="renamed to 'reference'"):
+        settings_for_mode("auto", base)
+
+
+def test_result_rows_name_what_ran():
+    """``none`` without speculation, D-Cut's mode with D-Cut, ``vllm`` for vLLM's own speculation without D-Cut."""
+    base = EngineSettings()
+    assert run_mode(settings_for_mode("none", base)) == "none" and run_mode(settings_for_mode("full", base)) == "full"
+    assert run_mode(base) == "joint" and run_mode(base.model_copy(update={"dcut": None})) == "vllm"
 
 
 def _runs(rates: dict[str, list[float]], bs: int = 8, sha: str = "a") -> list[dict]:
@@ -71,4 +83,4 @@ def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
     record = {"batch_sizes": [8], "modes": ["none", "joint-w0"], "cells": cells, "comparisons": comparisons,
               "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
               "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
-    assert comparisons == [] and "plain decoding (medians): bs 8: 0.900" in markdown(record)
+    assert comparisons == [] and "no speculation (`none`), medians: bs 8: 0.900" in markdown(record)

@@ -1,30 +1,75 @@
-"""The vLLM patches refuse to run on what they were not written for."""
+"""The vLLM patches refuse to run on what they were not written for, and can be undone."""
 
 from __future__ import annotations
 
 import pytest
 
-from dcut.vllm import patches
+from dcut.vllm import EXPECTED_VLLM_VERSION, engine_config, patches, vllm_fixes
 
 
-def test_every_patch_names_the_vllm_function_it_wraps() -> None:
-    from vllm.config import VllmConfig
-    from vllm.v1.sample import rejection_sampler
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+def _wrapped() -> list[tuple[patches.Patch, object]]:
+    """Each patch of the registry with the function its owner holds now (optional owners that do not import
+    are left out, as install leaves them)."""
+    owners = [(p, patches.owner_of(p)) for p in patches.PATCHES]
+    return [(p, owner.__dict__[p.name]) for p, owner in owners if owner is not None]
 
-    def wrapped() -> list:
-        return [VllmConfig.__post_init__, SpecDecodeBaseProposer.propose, SpecDecodeBaseProposer._sample_draft_tokens,
-                GPUModelRunner.execute_model, GPUModelRunner._prepare_inputs, GPUModelRunner.propose_draft_token_ids,
-                GPUModelRunner.take_draft_token_ids, rejection_sampler.expand_batch_to_tokens,
-                rejection_sampler.apply_sampling_constraints]
+
+def test_every_patch_names_the_vllm_function_it_wraps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_fixes.OPT_OUT, raising=False)
+    was_installed = bool(patches._originals)
+    patches.uninstall()
+    patches.install()
+    try:
+        found = _wrapped()
+        assert {p for p, _ in found} >= {p for p in patches.PATCHES if not p.optional}
+        for patch, fn in found:
+            name = getattr(fn, "__dcut_wraps__", None)
+            assert name and name.startswith("vllm.") and name.endswith(f".{patch.name}"), (patch, name)
+        assert len(patches._originals) == len(found)
+    finally:
+        patches.uninstall()  # reversible: vLLM's own functions come back
+    assert not any(hasattr(fn, "__dcut_wraps__") for _, fn in _wrapped())
+    if was_installed:
+        patches.install()
+
+
+def test_wrappers_say_which_vllm_function_they_wrap() -> None:
+    """Each wrapper factory's docstring names the function it wraps, as imported (``module.Class.name``)."""
+    for patch in patches.PATCHES:
+        owner = patch.owner.replace(":", ".")
+        assert f"{owner}.{patch.name}" in (patch.make.__doc__ or ""), patch
+
+
+def test_vllm_fixes_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    was_installed = bool(patches._originals)
+    patches.uninstall()
+    monkeypatch.setenv(vllm_fixes.OPT_OUT, "0")
+    patches.install()
+    try:
+        for patch, fn in _wrapped():
+            assert hasattr(fn, "__dcut_wraps__") != patch.vllm_fix, patch
+    finally:
+        patches.uninstall()
+    monkeypatch.delenv(vllm_fixes.OPT_OUT)
+    if was_installed:
+        patches.install()
+
+
+def test_another_vllm_version_gets_only_the_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a vLLM the patches were not written for, only ``VllmConfig.__post_init__`` is wrapped (it refuses
+    engines that ask for D-Cut: ``test_version_mismatch_refuses_dcut_but_not_plain_engines``)."""
+    import vllm
 
     was_installed = bool(patches._originals)
+    patches.uninstall()
+    monkeypatch.setattr(vllm, "__version__", "9.9.9")
     patches.install()
-    names = [getattr(fn, "__dcut_wraps__", None) for fn in wrapped()]
-    assert all(n and n.startswith("vllm.") for n in names), names
-    patches.uninstall()  # reversible: vLLM's own functions come back
-    assert not any(hasattr(fn, "__dcut_wraps__") for fn in wrapped())
+    try:
+        assert [hasattr(fn, "__dcut_wraps__") for _, fn in _wrapped()] == [p.any_version for p, _ in _wrapped()]
+        assert any(p.any_version for p in patches.PATCHES)
+    finally:
+        patches.uninstall()
+    monkeypatch.undo()
     if was_installed:
         patches.install()
 
@@ -34,8 +79,9 @@ def test_changed_vllm_signature_fails_loudly() -> None:
         def propose_draft_token_ids(self, scheduler_output, hidden_states):  # parameters moved
             return None
 
+    params = next(p.params for p in patches.PATCHES if p.name == "propose_draft_token_ids")
     with pytest.raises(RuntimeError, match="expects"):
-        patches._wrap(Runner, "propose_draft_token_ids", lambda original: original, patches._RUNNER_PROPOSE_PARAMS)
+        patches._wrap(Runner, "propose_draft_token_ids", lambda original: original, params)
 
 
 def test_missing_vllm_function_fails_loudly() -> None:
@@ -48,7 +94,7 @@ def test_missing_vllm_function_fails_loudly() -> None:
 
 def test_version_mismatch_refuses_dcut_but_not_plain_engines() -> None:
     calls = []
-    post_init = patches._config_post_init("9.9.9")(lambda self: calls.append(self))
+    post_init = engine_config.wrap_post_init(lambda self: calls.append(self), installed="9.9.9")
 
     class Config:
         additional_config: dict = {}
@@ -57,17 +103,17 @@ def test_version_mismatch_refuses_dcut_but_not_plain_engines() -> None:
     post_init(plain)  # no D-Cut asked for: vLLM runs as usual
     assert calls == [plain]
     asked = Config()
-    asked.additional_config = {"dcut": {"mode": "auto"}}
-    with pytest.raises(RuntimeError, match="written for vLLM 0.32.0; vLLM 9.9.9 is installed"):
+    asked.additional_config = {"dcut": {"mode": "fixed"}}
+    with pytest.raises(RuntimeError, match=f"written for vLLM {EXPECTED_VLLM_VERSION}; vLLM 9.9.9 is installed"):
         post_init(asked)
 
 
 def test_bad_setting_is_named() -> None:
     class Config:
-        additional_config = {"dcut": {"mode": "auto", "fixed_ratio": 3}}
+        additional_config = {"dcut": {"mode": "fixed", "fixed_ratio": 3}}
 
     with pytest.raises(ValueError, match="fixed_ratio"):
-        patches._config_post_init(None)(lambda self: None)(Config())
+        engine_config.wrap_post_init(lambda self: None, installed=EXPECTED_VLLM_VERSION)(Config())
 
 
 def test_expand_to_tokens_repeats_each_request_value_per_token() -> None:
@@ -75,11 +121,11 @@ def test_expand_to_tokens_repeats_each_request_value_per_token() -> None:
 
     top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
     cu = torch.tensor([2, 2, 5], dtype=torch.int32)  # 2 tokens, none, 3
-    assert patches.expand_to_tokens(top_k, cu, 5).tolist() == [5, 5, 7, 7, 7]
+    assert vllm_fixes.expand_to_tokens(top_k, cu, 5).tolist() == [5, 5, 7, 7, 7]
     temperature = torch.tensor([-1.0, 0.5])  # greedy (-1) becomes 1, as vLLM asks
-    out = patches.expand_to_tokens(temperature, torch.tensor([1, 3]), 3, replace_from=-1, replace_to=1)
+    out = vllm_fixes.expand_to_tokens(temperature, torch.tensor([1, 3]), 3, replace_from=-1, replace_to=1)
     assert out.dtype == torch.float32 and out.tolist() == [1.0, 0.5, 0.5]
-    assert patches.expand_to_tokens(top_k[:0], cu[:0], 0).numel() == 0
+    assert vllm_fixes.expand_to_tokens(top_k[:0], cu[:0], 0).numel() == 0
 
 
 def test_vllm_cpu_expand_kernel_still_writes_into_a_copy() -> None:
@@ -102,7 +148,51 @@ def test_sampling_constraints_over_no_draft_tokens() -> None:
     import torch
 
     calls = []
-    apply = patches._sampling_constraints_over_no_tokens(lambda logits, *a: calls.append(a) or logits * 2)
+    apply = vllm_fixes.wrap_apply_sampling_constraints(lambda logits, *a: calls.append(a) or logits * 2)
     empty = torch.empty(0, 16)
     assert apply(empty, torch.tensor([0]), None) is empty and calls == []
     assert apply(torch.ones(1, 16), torch.tensor([1]), None).sum().item() == 32 and len(calls) == 1
+
+
+def test_one_hooks_object_on_the_runner_and_its_drafter() -> None:
+    """The only state hung on vLLM's objects: one ``RunnerHooks``, on the runner and on its drafter; a plain
+    engine's drafter is left alone."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from dcut.vllm.runner_hooks import ATTRIBUTE, RunnerHooks, drafter_hooks, hooks_for
+
+    spec = NS(method="dflash", model="d", num_speculative_tokens=4)
+
+    def runner(extra: dict) -> NS:
+        config = NS(additional_config=extra, speculative_config=spec, model_config=NS(model="m", dtype=torch.float32),
+                    parallel_config=NS(tensor_parallel_size=1))
+        return NS(vllm_config=config, speculative_config=spec, num_spec_tokens=4, drafter=NS())
+
+    on = runner({"dcut": {"mode": "joint"}})
+    hooks = hooks_for(on)
+    assert hooks_for(on) is hooks and drafter_hooks(on.drafter) is hooks
+    assert hooks.dcut is not None and hooks.dcut.k == 4 and hooks.specexit is None and hooks.stash is not None
+    assert [a for o in (on, on.drafter) for a in vars(o) if "dcut" in a] == [ATTRIBUTE, ATTRIBUTE]
+    plain = runner({})
+    assert hooks_for(plain) == RunnerHooks(None, None, None) and not vars(plain.drafter)
+
+
+def test_draft_pass_shapes_confidences_like_the_drafts() -> None:
+    import torch
+
+    from dcut.vllm.draft_pass import DraftPass
+
+    parallel = DraftPass()  # DFlash: bs*K rows sampled at once
+    parallel.sink.append(torch.arange(6.0))
+    parallel.finish(torch.zeros(2, 3, dtype=torch.long))
+    assert parallel.sink is None and parallel.log_conf.tolist() == [[0, 1, 2], [3, 4, 5]]
+    autoregressive = DraftPass()  # K batches of [bs]
+    autoregressive.sink.extend([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])])
+    autoregressive.finish(torch.zeros(2, 2, dtype=torch.long))
+    assert autoregressive.log_conf.tolist() == [[1, 3], [2, 4]]
+    mismatched = DraftPass()
+    mismatched.sink.extend([torch.zeros(2), torch.zeros(2)])
+    mismatched.finish(torch.zeros(2, 3, dtype=torch.long))
+    assert mismatched.log_conf is None

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from dcut.train import reasoning as R
-from dcut.train import specexit_head as H
-from dcut.train.tokenizer import SPECIAL_TOKENS, load_tokenizer
+from train import reasoning as R
+from train import specexit_head as H
+from train.tokenizer import SPECIAL_TOKENS, load_tokenizer
 
 TARGET, DRAFTER = Path("models/reasoning"), Path("models/reasoning-dflash")
 

@@ -38,9 +38,9 @@ def trace(rng_seed: int = 0, rows: int = 64):
     return from_rows(K, steps)
 
 
-def test_plain_and_fixed_width_accounting():
+def test_none_and_fixed_width_accounting():
     cost, pools = linear_cost(), Pools(trace())
-    none = run_cell(FixedWidth(0), 4, pools, cost, steps=10, warmup=0, plain=True)
+    none = run_cell(FixedWidth(0), 4, pools, cost, steps=10, warmup=0, none=True)
     assert none.tokens == 40 and none.ms == pytest.approx(10 * (10 + 4 + 1 + 0.4))
     fixed = run_cell(FixedWidth(2), 4, pools, cost, steps=20, warmup=5)
     _, acc = pools.rows(2, 7, 4)
@@ -62,7 +62,7 @@ def test_the_oracle_bounds_every_policy(bs):
     cost, pools = linear_cost(), Pools(trace())
     best = oracle(bs, pools, cost, steps=40, warmup=2)
     for w in (0, 1, 2, 4):
-        cell = run_cell(FixedWidth(w), bs, pools, cost, 40, 2, plain=w == 0)
+        cell = run_cell(FixedWidth(w), bs, pools, cost, 40, 2, none=w == 0)
         assert cell.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
     clock = SimClock()
     joint = run_cell(RunnerPolicy("joint", DCutSettings(mode="joint", widths=[0, 1, 2, 4]), cost, K, clock),

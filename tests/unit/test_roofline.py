@@ -59,8 +59,8 @@ def test_verify_is_non_decreasing_in_tokens(roof: Roofline, bs: int) -> None:
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16, 64])
-def test_plain_step_is_a_verify_of_one_token_per_request(roof: Roofline, bs: int) -> None:
-    assert roof.plain_ms(bs) == roof.verify_ms(bs, bs)
+def test_none_step_is_a_verify_of_one_token_per_request(roof: Roofline, bs: int) -> None:
+    assert roof.none_ms(bs) == roof.verify_ms(bs, bs)
 
 
 @pytest.mark.parametrize("bs", [1, 4, 16, 64])
@@ -81,8 +81,15 @@ def test_cost_model_round_trips_and_matches_the_roofline(roof: Roofline, model: 
             assert again.verify(bs, bs * (1 + d)) == pytest.approx(roof.verify_ms(bs, bs * (1 + d)))
         for w in range(BLOCK):
             assert again.draft(bs, w) == pytest.approx(roof.draft_ms(bs, w))
-        assert again.plain(bs) == pytest.approx(roof.plain_ms(bs))
+        assert again.none(bs) == pytest.approx(roof.none_ms(bs))
     assert again.overhead(10) == 0.0 and again.notes == model.notes
+
+
+def test_cost_models_written_with_the_old_plain_key_still_read(model: CostModel) -> None:
+    """``none``'s step costs were written under ``plain`` before (committed cost models keep that key)."""
+    old = model.to_json()
+    old["plain"] = old.pop("none")
+    assert CostModel.from_json(old).none_ms == model.none_ms and model.none_ms
 
 
 def test_build_is_deterministic(model: CostModel) -> None:

@@ -56,7 +56,7 @@ def test_acceptance_is_counted_from_the_sampled_tokens_next_step():
 
 
 def test_calibration_learns_from_the_drafts_it_scored():
-    r = RunnerDCut(DCutSettings(mode="auto", calibrate=True), FP, k=4)
+    r = RunnerDCut(DCutSettings(mode="reference", calibrate=True), FP, k=4)
     lc = torch.full((2, 4), math.log(0.9))
     for _ in range(3):
         drafts = _step(r, {}, lc)

@@ -1,4 +1,4 @@
-"""The D-Cut decision: prefix property, budgets, auto vs brute force, continuous vs auto, edges."""
+"""The D-Cut decision: prefix property, budgets, reference vs brute force, continuous vs reference, edges."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.profiler import profile
 
 from dcut.cost_table import CostTable, Fingerprint, profile_token_points
 from dcut.selection import (
-    AUTO_RATIOS,
+    REFERENCE_RATIOS,
     bucket_budget,
     keep_depths_for_budget,
     log_confidence,
@@ -63,7 +63,7 @@ def test_scores_non_increasing_and_in_unit_interval(lc: torch.Tensor) -> None:
 
 
 def test_bucket_budget_reference_formula() -> None:
-    assert [bucket_budget(r, 4, 15) for r in AUTO_RATIOS] == [12, 28, 44, 60]  # 3/7/11/15 per request
+    assert [bucket_budget(r, 4, 15) for r in REFERENCE_RATIOS] == [12, 28, 44, 60]  # 3/7/11/15 per request
     assert bucket_budget(1.0, 32, 15) == 32 * 15
     assert bucket_budget(0.0, 8, 15) == 0
     assert bucket_budget(0.25, 1, 1) == 0  # ceil(0.5) - 1
@@ -93,7 +93,7 @@ def test_keep_depths_ties_are_prefixes() -> None:
     assert keep_depths_for_budget(scores, 5).tolist() == [4, 1, 0]  # row-major, stable
 
 
-@pytest.mark.parametrize("mode", ["full", "fixed", "auto", "continuous"])
+@pytest.mark.parametrize("mode", ["full", "fixed", "reference", "continuous"])
 @given(lc=log_confs, count_bonus=st.booleans())
 @settings(max_examples=60, deadline=None)
 def test_select_keeps_prefixes_of_positive_drafts(mode: str, lc: torch.Tensor, count_bonus: bool) -> None:
@@ -118,13 +118,13 @@ def test_fixed_budget_met_exactly() -> None:
     assert decision.ratio == 0.5
 
 
-def brute_force_auto(lc: torch.Tensor, table: CostTable, bonus: bool) -> list[float]:
+def brute_force_reference(lc: torch.Tensor, table: CostTable, bonus: bool) -> list[float]:
     """U for each bucket, computed independently (float64, table.lookup)."""
     bs, k = lc.shape
     scores = prefix_scores(lc).double().reshape(-1)
     best = torch.sort(scores[scores > 0], descending=True).values
     out = []
-    for r in AUTO_RATIOS:
+    for r in REFERENCE_RATIOS:
         budget = min(bucket_budget(r, bs, k), best.numel())
         out.append((float(best[:budget].sum()) + (bs if bonus else 0)) / table.lookup(bs, bs + budget))
     return out
@@ -133,36 +133,36 @@ def brute_force_auto(lc: torch.Tensor, table: CostTable, bonus: bool) -> list[fl
 @given(lc=log_confs.filter(lambda t: t.shape[0] > 0), bonus=st.booleans(),
        per_token=st.floats(0.0, 3.0))
 @settings(max_examples=80, deadline=None)
-def test_auto_equals_brute_force(lc: torch.Tensor, bonus: bool, per_token: float) -> None:
+def test_reference_equals_brute_force(lc: torch.Tensor, bonus: bool, per_token: float) -> None:
     table = linear_table(per_token=per_token)
-    depths, decision = select(lc, DCutSettings(mode="auto", count_bonus=bonus), table)
-    utilities = brute_force_auto(lc, table, bonus)
+    depths, decision = select(lc, DCutSettings(mode="reference", count_bonus=bonus), table)
+    utilities = brute_force_reference(lc, table, bonus)
     chosen_ratio = float(decision.ratio)
-    assert chosen_ratio in AUTO_RATIOS
-    assert utilities[AUTO_RATIOS.index(chosen_ratio)] >= max(utilities) * (1 - 1e-5)
+    assert chosen_ratio in REFERENCE_RATIOS
+    assert utilities[REFERENCE_RATIOS.index(chosen_ratio)] >= max(utilities) * (1 - 1e-5)
     # exact ties (buckets capped to the same budget) go to the larger bucket
-    budgets = [min(bucket_budget(r, *lc.shape), int((prefix_scores(lc) > 0).sum())) for r in AUTO_RATIOS]
-    chosen_budget = budgets[AUTO_RATIOS.index(chosen_ratio)]
+    budgets = [min(bucket_budget(r, *lc.shape), int((prefix_scores(lc) > 0).sum())) for r in REFERENCE_RATIOS]
+    chosen_budget = budgets[REFERENCE_RATIOS.index(chosen_ratio)]
     assert int(decision.budget) == chosen_budget == int(depths.sum())
-    assert all(b != chosen_budget for r, b in zip(AUTO_RATIOS, budgets, strict=True) if r > chosen_ratio)
+    assert all(b != chosen_budget for r, b in zip(REFERENCE_RATIOS, budgets, strict=True) if r > chosen_ratio)
 
 
-def test_auto_tie_prefers_larger_bucket() -> None:
+def test_reference_tie_prefers_larger_bucket() -> None:
     # flat cost: every bucket costs the same, so keeping more is free
     table = CostTable(FP, {4: [(4, 10.0, 1), (64, 10.0, 1)]})
-    depths, decision = select(torch.full((4, 15), -0.1), DCutSettings(mode="auto"), table)
+    depths, decision = select(torch.full((4, 15), -0.1), DCutSettings(mode="reference"), table)
     assert float(decision.ratio) == 1.0 and int(depths.sum()) == 60
 
 
 @given(lc=log_confs.filter(lambda t: t.shape[0] > 0), bonus=st.booleans(), per_token=st.floats(0.0, 3.0))
 @settings(max_examples=80, deadline=None)
-def test_continuous_never_worse_than_auto(lc: torch.Tensor, bonus: bool, per_token: float) -> None:
+def test_continuous_never_worse_than_reference(lc: torch.Tensor, bonus: bool, per_token: float) -> None:
     table = linear_table(per_token=per_token)
-    _, auto = select(lc, DCutSettings(mode="auto", count_bonus=bonus), table)
+    _, reference = select(lc, DCutSettings(mode="reference", count_bonus=bonus), table)
     _, cont = select(lc, DCutSettings(mode="continuous", count_bonus=bonus), table)
-    u_auto = float(auto.utilities[auto.chosen])
+    u_reference = float(reference.utilities[reference.chosen])
     u_cont = float(cont.utilities[cont.chosen])
-    assert u_cont >= u_auto * (1 - 1e-6)
+    assert u_cont >= u_reference * (1 - 1e-6)
 
 
 def test_continuous_fills_a_paid_for_step() -> None:
@@ -176,12 +176,12 @@ def test_continuous_fills_a_paid_for_step() -> None:
 def test_min_saving_keeps_full_width_when_saving_is_small() -> None:
     table = linear_table(per_token=0.001)  # nearly flat: pruning saves < 1%
     lc = torch.rand(8, 15).pow(4).clamp_min(1e-3).log()
-    for mode in ("auto", "continuous"):
-        _, plain = select(lc, DCutSettings(mode=mode), table)
-        assert int(plain.budget) < 8 * 15
+    for mode in ("reference", "continuous"):
+        _, without_floor = select(lc, DCutSettings(mode=mode), table)
+        assert int(without_floor.budget) < 8 * 15
         depths, decision = select(lc, DCutSettings(mode=mode, min_saving=0.12), table)
         assert int(depths.sum()) == 8 * 15
-        if mode == "auto":
+        if mode == "reference":
             assert float(decision.ratio) == 1.0
 
 
@@ -190,14 +190,14 @@ def test_min_budget_floor_capped_at_available() -> None:
     table = linear_table(per_token=5.0)
     depths, _ = select(lc, DCutSettings(mode="continuous", min_budget=3), table)
     assert int(depths.sum()) == 3
-    depths, _ = select(lc, DCutSettings(mode="auto", min_budget=100), table)
+    depths, _ = select(lc, DCutSettings(mode="reference", min_budget=100), table)
     assert int(depths.sum()) == 8
 
 
 def test_no_cost_falls_back_to_fixed_ratio() -> None:
     lc = torch.full((64, 15), -0.2)
     for cost in (None, linear_table()):  # table covers bs <= 32 only
-        depths, decision = select(lc, DCutSettings(mode="auto", fallback_ratio=0.75), cost)
+        depths, decision = select(lc, DCutSettings(mode="reference", fallback_ratio=0.75), cost)
         assert decision.fallback and decision.ratio == 0.75
         assert int(depths.sum()) == bucket_budget(0.75, 64, 15)
         assert decision.fallback is True
@@ -205,7 +205,7 @@ def test_no_cost_falls_back_to_fixed_ratio() -> None:
 
 def test_edge_shapes() -> None:
     table = linear_table()
-    for mode in ("full", "fixed", "auto", "continuous"):
+    for mode in ("full", "fixed", "reference", "continuous"):
         depths, decision = select(torch.zeros(0, 15), DCutSettings(mode=mode), table)
         assert depths.shape == (0,) and int(decision.kept) == 0
         depths, _ = select(torch.full((1, 1), -0.1), DCutSettings(mode=mode), table)
@@ -218,7 +218,7 @@ def test_max_depth_never_keeps_missing_drafts() -> None:
     lc = torch.zeros(3, 5)  # all confident
     max_depth = torch.tensor([5, 2, 0])
     table = CostTable(FP, {4: [(0, 1.0, 1), (100, 1.0, 1)]})  # flat: keep everything available
-    for mode in ("full", "fixed", "auto", "continuous"):
+    for mode in ("full", "fixed", "reference", "continuous"):
         depths, decision = select(lc, DCutSettings(mode=mode, fixed_ratio=1.0), table, max_depth)
         assert depths.tolist() == [5, 2, 0]
         assert int(decision.proposed) == 7
@@ -247,7 +247,7 @@ def test_global_top_k_beats_fixed_per_request_budget() -> None:
     assert int(sampled[torch.arange(k) < top_depths.unsqueeze(1)].sum()) <= int(sampled.sum())
 
 
-@pytest.mark.parametrize("mode", ["fixed", "auto", "continuous"])
+@pytest.mark.parametrize("mode", ["fixed", "reference", "continuous"])
 def test_select_never_syncs_with_the_host(mode: str) -> None:
     lc = torch.rand(16, 7).log()
     cfg = DCutSettings(mode=mode, min_saving=0.1, min_budget=3)

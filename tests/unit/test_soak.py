@@ -7,13 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import psutil
 from hypothesis import given
 from hypothesis import strategies as st
 
 from loadtest.soak import LogCounts, LogReader, per_minute, percentile, rss_growth
+from tests.serve_apps import wait_until
 
 
 def test_percentile_nearest_rank():
@@ -81,7 +81,6 @@ def test_replica_processes_found_by_title_under_a_root(tmp_path):
     """A child retitled as Ray titles a Serve replica is found under this process, by application; others are not."""
     import subprocess
     import sys
-    import time
 
     from loadtest.soak import RssSampler, replica_processes
 
@@ -97,9 +96,7 @@ def test_replica_processes_found_by_title_under_a_root(tmp_path):
         def found(app: str | None = None) -> dict[int, str]:
             return {pid: title for pid, title in replica_processes(os.getpid(), app).items() if pid in ours}
 
-        deadline = time.monotonic() + 20
-        while len(found()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: len(found()) >= 3, 20, lambda: f"three retitled children found: {found()}", every_s=0.1)
         assert set(found()) == {children[0].pid, children[2].pid, children[3].pid}
         assert found("dcut") == {children[0].pid: titles[0], children[3].pid: titles[3]}
         sampler = RssSampler(os.getpid(), "dcut")
@@ -120,10 +117,8 @@ def test_pin_tree_confines_every_thread_of_a_process_and_its_children():
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         proc = psutil.Process(parent.pid)
-        deadline = time.monotonic() + 20
-        while not (proc.children() and proc.num_threads() >= 2):
-            assert time.monotonic() < deadline, "test process did not start its thread and child"
-            time.sleep(0.1)
+        wait_until(lambda: proc.children() and proc.num_threads() >= 2, 20, "thread and child of the test process",
+                   every_s=0.1)
         assert pin_tree(parent.pid, {0}) >= 3  # two threads of the parent, at least one of the child
         for p in [proc, *proc.children()]:
             assert all(os.sched_getaffinity(t.id) == {0} for t in p.threads())

@@ -9,8 +9,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from dcut.bench.specexit import answer_of
 from dcut.specexit import Signals, Smoother, SpecExitSettings, exit_index, passes, step_signals
-from dcut.train.reasoning import THINK_END, THINK_START, answer_of, make_trace, problems
+from train.reasoning import THINK_END, THINK_START, make_trace, problems
 
 DEFAULT = SpecExitSettings()
 SURE = Signals(confidence=0.95, progress=0.6, remaining=50.0)

@@ -12,7 +12,7 @@ from deployments.autoscaling import DCutPolicy, DecisionLog, decide
 from deployments.controller import DCutController
 from deployments.history import History, mean_width
 from deployments.ingress import presented_key
-from deployments.records import ReplicaReport, ScalingDecision
+from deployments.records import ReplicaReport, ScalingDecision, StartupPhases
 from deployments.settings import AutoscalingSettings, ControllerSettings
 from tests.unit.test_autoscaling_policy import ctx
 from tests.unit.test_controller import report
@@ -57,6 +57,24 @@ def test_history_is_bounded_whatever_the_report_rate():
     for _ in range(MAX_SAMPLES + 10):
         h.add(r, [r], time.time())
     assert len(h.replicas["a"]) == MAX_SAMPLES and len(h.cluster) == MAX_SAMPLES
+
+
+def test_start_up_phases_per_replica():
+    """Each replica's start-up phases as it reported them (the page's stacked bars); a replica that reports none
+    (an older one) shows none, and one whose first report is not accepted yet shows no total."""
+    c = DCutController(ControllerSettings(stale_after_s=30), AutoscalingSettings())
+    phases = StartupPhases(process_started_at=time.time() - 30, process_s=2.0, import_s=12.0, fingerprint_s=0.5,
+                           cost_offer_s=0.1, engine_init_s=8.0, first_report_s=0.3, total_s=22.9, compile_s=None,
+                           cost_table_s=None, cost_table_source="controller")
+    c.report(report("a", None) | {"startup": phases.model_dump()})
+    c.report(report("b", None))
+    pending = phases.model_copy(update={"first_report_s": None, "total_s": None, "cost_table_source": "cache"})
+    c.report(report("c", None) | {"startup": pending.model_dump()})
+    shown = {r["replica_id"]: r["startup"] for r in c.status()["replicas"]}
+    assert shown["a"] == phases.model_dump() and shown["b"] is None and shown["c"]["total_s"] is None
+    assert StartupPhases.model_validate(shown["c"]).ready_s() == pytest.approx(22.6)
+    assert phases.line() == ("process 2.0 s, import 12.0 s, fingerprint 0.5 s, cost table offer 0.1 s, engine 8.0 s "
+                             "(compile ?, cost table ?; table from controller), first report 0.3 s")
 
 
 def test_mean_width():

@@ -1,0 +1,159 @@
+"""Speculation per request: a client's cap on how many drafts D-Cut may verify for its request, and what
+speculation did for it.
+
+A request carries ``"speculation"`` beside its sampling fields: ``false`` (decode plainly, in the same steps as
+its speculating neighbours), ``true`` (the deployment's default), or ``{"max_width": N}`` with 0 <= N <= K. The
+serving layer validates it (``parse_cap``, a 400 that names the field) and hands the cap to the engine in the
+request's ``extra_args`` (``EXTRA_ARG``); the plugin keeps every request's drafts within its cap, and the batch's
+drafted width within the largest cap in the batch. Verifying fewer drafts is lossless, so a capped request's greedy
+output is the target's.
+
+``RequestSpeculation`` counts, per request, the steps it was decoded in and the drafts it was given, verified and
+had accepted: what the response's ``usage.speculation`` reports and what the per-request acceptance histogram
+observes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+FIELD = "speculation"  # the request field (HTTP body)
+EXTRA_ARG = "dcut_max_width"  # SamplingParams.extra_args key the engine reads
+KEPT_RECORDS = 4096  # finished requests whose usage can still be read
+
+
+def parse_cap(value: Any, k: int, default: int | None = None) -> int | None:
+    """The cap a request's ``speculation`` field asks for (None: no cap beyond the deployment's ``default``).
+
+    ``false`` -> 0, ``true`` -> the default, ``{"max_width": N}`` -> N (0 <= N <= k, above the default too: the
+    default is what a request gets without asking). Anything else raises a ValueError naming the field.
+    """
+    if value is None or value is True:
+        return default
+    if value is False:
+        return 0
+    if isinstance(value, dict):
+        unknown = set(value) - {"max_width"}
+        if unknown:
+            raise ValueError(f"{FIELD}: unknown key(s) {', '.join(sorted(unknown))}; expected {{\"max_width\": N}}")
+        n = value.get("max_width")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= k:
+            raise ValueError(f"{FIELD}.max_width: expected an integer from 0 to {k}, got {n!r}")
+        return n
+    raise ValueError(f"{FIELD}: expected true, false or {{\"max_width\": N}} with 0 <= N <= {k}")
+
+
+def cap_of(extra_args: dict | None, k: int, default: int | None = None) -> int:
+    """The cap the engine applies to a request: its own, else the engine's ``default``, else k."""
+    raw = (extra_args or {}).get(EXTRA_ARG)
+    if raw is None:
+        raw = k if default is None else default
+    return max(0, min(int(raw), k))
+
+
+@dataclass
+class SpeculationUsage:
+    """What speculation did for one request (its ``usage.speculation``)."""
+
+    steps: int = 0  # decode steps that verified drafts or could have (every step after its prefill)
+    drafted_tokens: int = 0  # drafts the drafter produced for it, within its cap
+    verified_tokens: int = 0  # drafts handed to the target to verify, after D-Cut's cut
+    accepted_tokens: int = 0  # drafts the target accepted
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted per verified draft; None when nothing was verified."""
+        return self.accepted_tokens / self.verified_tokens if self.verified_tokens else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate}
+
+
+class RequestSpeculation:
+    """Per-request caps and usage for one engine; finished requests stay readable (bounded)."""
+
+    def __init__(self, k: int, default: int | None = None) -> None:
+        self.k = k
+        self.default = default  # the cap of a request that sets none (DCutSettings.default_max_width)
+        self.caps: dict[str, int] = {}
+        self.running: dict[str, SpeculationUsage] = {}
+        self.finished: OrderedDict[str, SpeculationUsage] = OrderedDict()
+
+    def caps_for(self, req_ids: list[str], extra_args: Callable[[str], dict | None]) -> list[int]:
+        """Each request's cap; ``extra_args(req_id)``: its SamplingParams.extra_args (read once per request)."""
+        out = []
+        for r in req_ids:
+            cap = self.caps.get(r)
+            if cap is None:
+                cap = self.caps[r] = cap_of(extra_args(r), self.k, self.default)
+            out.append(cap)
+        return out
+
+    def drafted(self, req_ids: list[str], caps: list[int], width: int) -> None:
+        """A drafting pass at ``width`` (0: none) for the requests of one step."""
+        for r, cap in zip(req_ids, caps, strict=True):
+            u = self.running.setdefault(r, SpeculationUsage())
+            u.steps += 1
+            u.drafted_tokens += min(width, cap)
+
+    def verified(self, req_ids: list[str], counts: list[int]) -> None:
+        """Drafts handed to the scheduler to verify next step, per request."""
+        for r, n in zip(req_ids, counts, strict=True):
+            if n:
+                self.running.setdefault(r, SpeculationUsage()).verified_tokens += n
+
+    def accepted(self, req_ids: list[str], counts: list[int]) -> None:
+        """Drafts the target accepted in the step just verified, per request."""
+        for r, n in zip(req_ids, counts, strict=True):
+            if n:
+                self.running.setdefault(r, SpeculationUsage()).accepted_tokens += n
+
+    def drop(self, req_ids: set[str]) -> None:
+        """Requests that finished: their usage stays readable (the last ``KEPT_RECORDS``)."""
+        for r in req_ids:
+            self.caps.pop(r, None)
+            u = self.running.pop(r, None)
+            if u is not None:
+                self.finished[r] = u
+                self.finished.move_to_end(r)
+                while len(self.finished) > KEPT_RECORDS:
+                    self.finished.popitem(last=False)
+
+    def usage(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Usage of the requests whose engine id starts with ``prefix`` (one response: n choices)."""
+        found = {r: u for r, u in self.finished.items() if r.startswith(prefix)}
+        found |= {r: u for r, u in self.running.items() if r.startswith(prefix)}
+        return {r: u.as_dict() for r, u in found.items()}
+
+
+def merged(usages: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One response's ``usage.speculation``: its requests' (choices') counts summed."""
+    keys = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens")
+    total = {k: sum(int(u.get(k) or 0) for u in usages.values()) for k in keys}
+    total["acceptance_rate"] = (round(total["accepted_tokens"] / total["verified_tokens"], 4)
+                                if total["verified_tokens"] else None)
+    return total
+
+
+ACCEPTANCE_BUCKETS = 10  # per-request acceptance rate in tenths: [0, 0.1), ..., [0.9, 1.0]
+
+
+class AcceptanceHistogram(BaseModel):
+    """Per-request acceptance rates (accepted / verified drafts) of the responses one replica served, by route:
+    which traffic speculation helps. Requests that verified no drafts are counted apart (``unverified``)."""
+
+    counts: dict[str, list[int]] = Field(default_factory=dict, description="route -> requests per tenth of "
+                                         "acceptance rate, [0, 0.1) ... [0.9, 1.0]")
+    unverified: dict[str, int] = Field(default_factory=dict, description="route -> requests with no draft verified")
+
+    def add(self, route: str, rate: float | None) -> None:
+        if rate is None:
+            self.unverified[route] = self.unverified.get(route, 0) + 1
+            return
+        bucket = min(ACCEPTANCE_BUCKETS - 1, max(0, int(rate * ACCEPTANCE_BUCKETS)))
+        self.counts.setdefault(route, [0] * ACCEPTANCE_BUCKETS)[bucket] += 1

@@ -1,0 +1,52 @@
+"""The records ``RunnerDCut`` (``dcut.vllm.state``) hands from one stage of a step to the next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dcut.selection import Decision
+
+
+@dataclass
+class Pending:
+    """What ``on_drafted`` decided, waiting for ``cut`` (tensors may still be on the device)."""
+
+    keep: Tensor | None  # None: keep every draft (full width, a probe)
+    decision: Decision | None
+    log_conf: Tensor
+    selection_us: float
+    expected: Tensor | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
+
+
+@dataclass
+class Verified:
+    """Outcome of the verification done in this step (for stats and calibration)."""
+
+    req_ids: list[str]
+    num_draft: Tensor  # drafts verified per request (what was scheduled)
+    accepted: Tensor  # drafts accepted per request
+    width: int  # the width those drafts were drafted at
+
+
+@dataclass
+class Cycle:
+    """A width's cost from its drafter pass to the verification of its drafts (mode joint)."""
+
+    bucket: int  # covering batch size
+    width: int
+    probe: bool  # a probe verifies everything: a lower bound of what the width delivers under the policy
+    ms: float
+    clean: bool = False  # the engine went straight on to the next step
+    predicted_tokens: float = 0.0  # what the decision expected the cycle to emit, and to cost (ms)
+    predicted_ms: float = 0.0
+
+
+@dataclass
+class LastDrafts:
+    """The raw confidences of the drafts handed to the scheduler, for calibration next step."""
+
+    index: dict[str, int]
+    log_conf: Tensor  # [bs, width] on the host
+    width: int

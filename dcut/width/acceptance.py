@@ -1,0 +1,148 @@
+"""What verification shows of each width: acceptance learned per (width, position), from the counted
+outcomes and from the drafts' calibrated confidences, with an optimistic bound for widths little seen."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dcut.selection import prefix_scores
+
+OPTIMISM = 1.5  # upper confidence bound, in standard errors, on an unmeasured width's acceptance
+
+
+def marginal_gains(log_conf: Tensor) -> Tensor:
+    """``g[j]`` = expected accepted drafts per request from the (j+1)-th draft per request of a block
+    ``[bs, W]``, when drafts are kept by D-Cut's global top-k of prefix scores: the expected tokens of a
+    budget of ``d * bs`` drafts are ``bs * (1 + sum(g[:d]))``. Non-increasing, in [0, 1]; at bs 1 it is
+    the prefix score itself. (The mean prefix score per position would price a uniform depth per
+    request, and miss what the global top-k is for: spending the budget on the requests that will
+    accept it.)"""
+    bs, w = log_conf.shape
+    scores = torch.sort(prefix_scores(log_conf).reshape(-1), descending=True).values
+    gains = torch.cat([scores.new_zeros(1), scores.cumsum(0)])[:: bs] / bs  # [w + 1]: top j*bs drafts
+    return gains.diff()
+
+
+def position_counts(verified: Tensor, accepted: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per draft position t < k, over requests: how many verified draft t, how many reached it
+    (verified it with every earlier draft accepted), how many accepted it. Request i verified its
+    first ``verified[i]`` drafts and the first ``accepted[i]`` of those were accepted."""
+    positions = torch.arange(k).unsqueeze(0)
+    n = verified.to(torch.int64).clamp(0, k).unsqueeze(1)
+    a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
+    return (positions < n).sum(0), ((positions < n) & (positions <= a)).sum(0), (positions < a).sum(0)
+
+
+class WidthStats:
+    """Per (width, position): requests that reached the position and how many were accepted.
+
+    ``reached[w, t]`` counts verified drafts at position t of a block drafted at width ``w``
+    whose earlier drafts were all accepted; ``accepted[w, t]`` those accepted too. The ratio is the
+    conditional acceptance ``q_w[t]``; its running product the survival ``s_w[t]``. Counts are
+    capped (scaled down together) so the estimate follows a changing workload.
+    """
+
+    def __init__(self, widths: Sequence[int], k: int, prior_q: float = 0.5, prior_weight: float = 2.0,
+                 cap: float = 4096.0) -> None:
+        self.widths = list(widths)
+        self.k = k
+        self.prior_q, self.prior_weight, self.cap = prior_q, prior_weight, cap
+        self.reached = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        self.accepted = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        self._index = {w: i for i, w in enumerate(self.widths)}
+        self._survival: dict[float, np.ndarray] = {}
+        # Mean (calibrated) prefix score of every drafted block, per width: the survival the drafter's own
+        # confidences predict, over all drafts, cut or not.
+        self.expected = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        self.expected_requests = torch.zeros(len(self.widths), dtype=torch.float64)
+
+    def observe(self, width: int, reached: Tensor, accepted: Tensor) -> None:
+        """Count one step's per-position ``reached`` and ``accepted`` (``position_counts``) for ``width``."""
+        i = self._index.get(width)
+        if i is None or width == 0:
+            return
+        self.reached[i] += reached.to(torch.float64)
+        self.accepted[i] += accepted.to(torch.float64)
+        self._survival = {}
+        self._cap()
+
+    def _cap(self) -> None:
+        """Scale a width's counts down together where they pass ``cap`` (so the estimate follows the workload)."""
+        scale = self.cap / self.reached.max(dim=1, keepdim=True).values.clamp(min=self.cap)
+        self.reached *= scale
+        self.accepted *= scale
+
+    def observe_scores(self, width: int, gains: Tensor, requests: int, weight: float = 0.02) -> None:
+        """Fold in one drafted block's ``marginal_gains`` (``[width]``, from calibrated confidences).
+
+        Counted acceptance alone is biased wherever D-Cut cuts: only the most confident drafts are
+        verified, so the acceptance counted at late positions is that of the best drafts, not of the
+        block. Calibrated confidences cover every draft, cut or not, and price the block as D-Cut will
+        spend it: a mean over the first ``1/weight`` requests, then a moving average."""
+        i = self._index.get(width)
+        if i is None or width == 0 or requests <= 0:
+            return
+        n = float(self.expected_requests[i])
+        w = max(weight, requests / (n + requests))
+        self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu() - self.expected[i, :width])
+        self.expected_requests[i] += requests
+        self._survival = {}
+
+    def load(self, reached: Sequence[Sequence[float]], accepted: Sequence[Sequence[float]],
+             expected: Sequence[Sequence[float]], expected_requests: Sequence[float]) -> None:
+        """Take over counts and gains learned elsewhere (``dcut.learned``), capped like this stats' own."""
+        self.reached = torch.tensor(reached, dtype=torch.float64)
+        self.accepted = torch.tensor(accepted, dtype=torch.float64)
+        self._cap()
+        self.expected = torch.tensor(expected, dtype=torch.float64)
+        self.expected_requests = torch.tensor(expected_requests, dtype=torch.float64)
+        self._survival = {}
+
+    def conditional(self) -> Tensor:
+        """``q[w, t]``, Beta-smoothed towards the pooled rate of position t over all widths."""
+        pooled = (self.accepted.sum(0) + self.prior_weight * self.prior_q) / (
+            self.reached.sum(0) + self.prior_weight)
+        return (self.accepted + self.prior_weight * pooled) / (self.reached + self.prior_weight)
+
+    def survival(self, optimism: float = 0.0) -> np.ndarray:
+        """``s[w, t]`` = P(drafts 0..t of a width-w block all accepted); 0 past each width.
+
+        A width that has been drafted: the mean prefix score of its blocks (``observe_scores``). One
+        never drafted: at positions some wider block reached, those blocks' mean prefix scores (DFlash
+        acceptance depends on the width, so this is a prior); elsewhere the product of counted
+        conditional rates, pooled over widths. With ``optimism`` > 0 each is raised by that many
+        standard errors of a Beta posterior on its observations (``q + z sqrt(q (1 - q) / (n + prior))``,
+        at most 1): an upper confidence bound, so an untried width looks as good as it might be until
+        there is evidence. Recomputed only after new observations
+        (it is read before every drafting pass)."""
+        found = self._survival.get(optimism)
+        if found is None:
+            q = self.conditional()
+            if optimism:
+                q = (q + optimism * (q * (1 - q) / (self.reached + self.prior_weight)).sqrt()).clamp(max=1.0)
+            s = q.cumprod(dim=1)
+            # Drafted widths: what their confidences predict. Widths not drafted yet: where a wider block was
+            # drafted, what its confidences predict at the same positions (pooled over blocks, by requests).
+            requests = self.expected_requests.unsqueeze(1) * (torch.arange(self.k).unsqueeze(0)
+                                                              < torch.tensor(self.widths).unsqueeze(1))
+            pooled_n = requests.sum(0)
+            pooled = (requests * self.expected).sum(0) / pooled_n.clamp(min=1e-9)
+            scored = self.expected_requests > 0
+            e = torch.where(scored.unsqueeze(1), self.expected, pooled.unsqueeze(0))
+            n = torch.where(scored.unsqueeze(1), self.expected_requests.unsqueeze(1), pooled_n.unsqueeze(0))
+            if optimism:  # the same bound, on as many observations as requests drafted at those positions
+                e = (e + optimism * (e * (1 - e) / (n + self.prior_weight)).clamp(min=0).sqrt()).clamp(max=1.0)
+                e = e.cummin(dim=1).values
+            s = torch.where(n > 0, e, s)
+            widths = torch.tensor(self.widths).unsqueeze(1)
+            found = s.masked_fill(torch.arange(self.k).unsqueeze(0) >= widths, 0.0).numpy()
+            self._survival[optimism] = found
+        return found
+
+    def observations(self) -> dict[int, int]:
+        """Requests observed at position 0, per width (how much each width's estimate rests on)."""
+        return {w: int(self.reached[i, 0]) for i, w in enumerate(self.widths) if w}

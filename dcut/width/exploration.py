@@ -1,0 +1,89 @@
+"""Steps spent on widths other than the chosen one, each paid from a credit of a share of the steps:
+exploring widths that might beat the choice, and probes that verify a whole block."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dcut.width.choice import WidthChoice
+
+EXPLORE_SHARE = 0.2  # at most this share of step time tries widths that might beat the current choice
+EXPLORE_REQUESTS = 32  # a width measured on this many fresh requests at a batch size is judged on its rate alone
+
+
+class _StepCredit:
+    """A credit of ``share`` of a step earned per step, spent on steps other than the chosen one at their
+    time in units of the chosen step's (at least one), so they take at most ``share`` of the time."""
+
+    def __init__(self, share: float) -> None:
+        self.share = share
+        self.credit = 0.0
+
+    def _spend(self, chosen: WidthChoice, cost: float | None) -> bool:
+        """Pay for a step costing ``cost`` ms (None: unknown, one chosen step) if the credit covers it."""
+        price = 1.0 if cost is None or chosen.step_ms <= 0 else max(1.0, cost / chosen.step_ms)
+        if self.credit < price:
+            return False
+        self.credit -= price
+        return True
+
+
+class Explorer(_StepCredit):
+    """Tries widths that might beat the current choice, paid from a credit of ``share`` of the steps.
+
+    A width is a candidate while its optimistic tokens/s (``RealizedRates.optimistic`` over an
+    optimistic model) beats the chosen width's and it has been measured on fewer than ``requests``
+    fresh requests at this batch size (``samples``); an exploring step drafts it and verifies as the
+    policy would, so what it delivers is what the width is worth. The most promising candidate goes
+    first; a dear one waits until the credit covers its step. Candidates run out as measurements
+    tighten the bounds, and then nothing is spent: exploration is a phase, not a tax.
+    """
+
+    def __init__(self, share: float = EXPLORE_SHARE, requests: int = EXPLORE_REQUESTS) -> None:
+        super().__init__(share)
+        self.requests = requests
+
+    def pick(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
+             samples: Callable[[int], float], step_ms: Callable[[int], float | None]) -> int | None:
+        """A width to try this step, or None."""
+        candidates = [(rate, w) for w, rate in zip(widths, optimistic, strict=True)
+                      if w != chosen.width and rate is not None and rate > chosen.tokens_per_s
+                      and samples(w) < self.requests]
+        if not candidates or self.share <= 0:
+            return None
+        self.credit += self.share
+        _, width = max(candidates)
+        return width if self._spend(chosen, step_ms(width)) else None
+
+
+class ProbeBudget(_StepCredit):
+    """Occasional probe steps, paid from a credit of ``share`` of the steps taken.
+
+    A probe drafts a width other than the chosen one and verifies all of it, so acceptance at
+    widths and positions D-Cut has stopped using stays known. Each step earns ``share`` of a
+    step; a probe costs its step time in units of the chosen step's (at least one), so probes
+    take at most ``share`` of the time. The width least measured is probed first (ties rotate); a
+    dear one waits until the credit covers it.
+    """
+
+    def __init__(self, widths: Sequence[int], share: float) -> None:
+        super().__init__(share)
+        self.widths = list(widths)
+        self._next = 0
+
+    def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
+              samples: Callable[[int], int] | None = None) -> int | None:
+        """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
+        ``samples(w)``: how much is known of w already (the least known is probed first)."""
+        if self.share <= 0:
+            return None
+        self.credit += self.share
+        candidates = [w for w in self.widths if w != chosen.width]
+        if not candidates or self.credit < 1.0:
+            return None
+        rotated = candidates[self._next % len(candidates):] + candidates[: self._next % len(candidates)]
+        width = min(rotated, key=samples) if samples is not None else rotated[0]
+        if not self._spend(chosen, full_step_ms(width)):
+            return None
+        self._next += 1
+        return width

@@ -1,0 +1,168 @@
+"""What each width actually delivered per batch-size bucket, beside what the policy predicted: once
+measured, a width is judged by this, not by the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dcut.learned import RealizedCell
+from dcut.width.acceptance import OPTIMISM
+from dcut.width.choice import WidthChoice
+
+SHRINK_REQUESTS = 256  # requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled
+
+
+@dataclass
+class _Cell:
+    """One (bucket, width)'s cycles: realized and predicted tokens and ms (running means, then EMAs), the
+    spread of the predicted rate, how many cycles and the bucket's tick at the last one."""
+
+    tokens: float
+    ms: float
+    predicted_tokens: float
+    predicted_ms: float
+    rate: float
+    rate_var: float = 0.0
+    n: int = 0
+    last: int = 0
+
+
+class RealizedRates:
+    """What each width delivered, per batch-size bucket, beside what the policy predicted it would.
+
+    A width chosen at step n is paid for by step n's drafter pass, the engine's time between the
+    steps and step n+1's verification, and it yields step n+1's emitted tokens (bonus plus
+    accepted drafts). Per cycle the policy also predicted the tokens (from the calibrated
+    confidences of the drafts it kept) and the time (from the cost table).
+
+    A width's estimate, once it has ``min_samples`` cycles, is its *predicted* tokens, corrected by
+    its realized/predicted tokens ratio shrunk towards the bucket's ratio pooled over all widths (by
+    how many requests it rests on), over its *measured* time (``apply``). Two widths measured at
+    different moments are compared on what their drafts' confidences promised, which follows the
+    requests of the moment far less noisily than what one step happened to accept (at bs 1 that
+    swings a width's realized rate by half); the pooled ratio keeps the model honest, and
+    ``summary`` shows realized beside predicted per width.
+
+    Means are long-run (a running mean, then an average over about ``1/weight`` cycles). What a
+    width's measurement is worth fades with the cycles since it was taken (``fresh``, half-life
+    ``half_life`` cycles of the bucket), so a width measured long ago is worth re-measuring.
+    """
+
+    def __init__(self, min_samples: int = 3, min_requests: int = 32, weight: float = 0.02,
+                 half_life: float = 256.0) -> None:
+        self.min_samples, self.min_requests, self.weight, self.half_life = min_samples, min_requests, weight, half_life
+        self._cells: dict[tuple[int, int], _Cell] = {}
+        self._pooled: dict[int, list[float]] = {}  # realized and predicted tokens and ms, pooled per bucket
+        self._ticks: dict[int, int] = {}
+
+    def add(self, bucket: int, width: int, tokens: float, ms: float, predicted_tokens: float,
+            predicted_ms: float) -> None:
+        if ms <= 0 or predicted_ms <= 0:
+            return
+        tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
+        rate = predicted_tokens / predicted_ms
+        c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))
+        w = max(self.weight, 1.0 / (c.n + 1))
+        c.tokens += w * (tokens - c.tokens)
+        c.ms += w * (ms - c.ms)
+        c.predicted_tokens += w * (predicted_tokens - c.predicted_tokens)
+        c.predicted_ms += w * (predicted_ms - c.predicted_ms)
+        delta = rate - c.rate
+        c.rate, c.rate_var = c.rate + w * delta, (1.0 - w) * (c.rate_var + w * delta * delta)
+        c.n, c.last = c.n + 1, tick
+        pool = self._pooled.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
+        for i, value in enumerate((tokens, predicted_tokens, ms, predicted_ms)):
+            pool[i] = pool[i] * (1.0 - self.weight) + value  # discounted sums: recent cycles weigh most
+
+    def charge(self, bucket: int, width: int, ms: float) -> None:
+        """Add ``ms`` to each of a width's recent cycles (work they deferred, paid later by another width)."""
+        cell = self._cells.get((bucket, width))
+        if cell is not None:
+            cell.ms += ms
+
+    def correction(self, bucket: int) -> tuple[float, float]:
+        """Realized over predicted, tokens and ms, over the bucket's recent cycles of every width."""
+        pool = self._pooled.get(bucket)
+        if pool is None or pool[1] <= 0 or pool[3] <= 0:
+            return 1.0, 1.0
+        return pool[0] / pool[1], pool[2] / pool[3]
+
+    def apply(self, bucket: int, choices: Sequence[WidthChoice | None]) -> list[WidthChoice | None]:
+        """``choices`` with each measured width's predicted tokens corrected by the pooled tokens ratio, and
+        its measured time: a step's time hardly varies with the requests of the moment, and where the cost
+        table is wrong it is wrong per width (a plain step and a drafting one miss by different amounts),
+        which a pooled ratio would hide."""
+        pooled, _ = self.correction(bucket)
+        out: list[WidthChoice | None] = []
+        for c in choices:
+            cell = None if c is None else self._cells.get((bucket, c.width))
+            if c is not None and cell is not None and self._measured(bucket, cell):
+                # The width's own realized/predicted ratio, shrunk towards the pooled one by how few requests
+                # it rests on: at bs 64 a few cycles say what the width's drafts deliver; at bs 1 they do not.
+                own = min(cell.n, 1.0 / self.weight) * bucket
+                ratio = (own * cell.tokens / cell.predicted_tokens + SHRINK_REQUESTS * pooled) / (own + SHRINK_REQUESTS)
+                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * ratio, cell.ms)
+            out.append(c)
+        return out
+
+    def _measured(self, bucket: int, cell: _Cell) -> bool:
+        """Enough cycles, over enough requests (a bucket's batch size each), to stand for the width."""
+        return cell.n >= self.min_samples and cell.n * bucket >= self.min_requests
+
+    def samples(self, bucket: int, width: int) -> int:
+        cell = self._cells.get((bucket, width))
+        return 0 if cell is None else cell.n
+
+    def fresh(self, bucket: int, width: int) -> float:
+        """Cycles of ``width`` in ``bucket``, discounted by the cycles recorded since the last one."""
+        cell = self._cells.get((bucket, width))
+        if cell is None:
+            return 0.0
+        return cell.n * 0.5 ** ((self._ticks.get(bucket, 0) - cell.last) / self.half_life)
+
+    def noise(self, bucket: int, width: int) -> float:
+        """The relative standard error of a width's estimate: the spread of its cycles' predicted rates over
+        the square root of the cycles averaged (at most ``1/weight``); 0 for an unmeasured width."""
+        cell = self._cells.get((bucket, width))
+        if cell is None or not self._measured(bucket, cell) or cell.rate <= 0:
+            return 0.0
+        return cell.rate_var ** 0.5 / cell.rate / min(cell.n, 1.0 / self.weight) ** 0.5
+
+    def optimistic(self, bucket: int, model: Sequence[WidthChoice | None], z: float = OPTIMISM
+                   ) -> list[float | None]:
+        """Each width's optimistic tokens/s: measured (``min_samples`` cycles or more), its estimate raised by
+        ``z`` spreads of a cycle's rate over the square root of its fresh cycles; else ``model``'s (an
+        optimistic estimate); None where neither exists."""
+        measured = self.apply(bucket, model)
+        out: list[float | None] = []
+        for c, m in zip(model, measured, strict=True):
+            cell = None if c is None else self._cells.get((bucket, c.width))
+            if m is not None and cell is not None and self._measured(bucket, cell) and cell.rate > 0:
+                spread = cell.rate_var ** 0.5 / cell.rate
+                out.append(m.tokens_per_s * (1.0 + z * spread / max(self.fresh(bucket, c.width), 1.0) ** 0.5))
+            else:
+                out.append(None if c is None else c.tokens_per_s)
+        return out
+
+    def cells(self) -> list[RealizedCell]:
+        """Every (bucket, width)'s measurement, for ``dcut.learned``."""
+        return [RealizedCell(bucket=b, width=w, tokens=c.tokens, ms=c.ms, predicted_tokens=c.predicted_tokens,
+                             predicted_ms=c.predicted_ms, rate=c.rate, rate_var=c.rate_var, n=c.n)
+                for (b, w), c in sorted(self._cells.items())]
+
+    def load(self, cells: Sequence[RealizedCell]) -> None:
+        """Start from measurements taken elsewhere: trusted as this replica's own, and fresh (a width measured
+        by the fleet is not explored again until the measurement fades)."""
+        for c in cells:
+            self._cells[(c.bucket, c.width)] = _Cell(c.tokens, c.ms, c.predicted_tokens, c.predicted_ms, c.rate,
+                                                     c.rate_var, c.n, self._ticks.get(c.bucket, 0))
+            pool = self._pooled.setdefault(c.bucket, [0.0, 0.0, 0.0, 0.0])
+            for i, value in enumerate((c.tokens, c.predicted_tokens, c.ms, c.predicted_ms)):
+                pool[i] += value * min(c.n, 1.0 / self.weight)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """``{"bucket/width": {tokens_per_s, predicted_tokens_per_s, samples}}``: realized beside predicted."""
+        return {f"{b}/{w}": {"tokens_per_s": 1000.0 * c.tokens / c.ms,
+                             "predicted_tokens_per_s": 1000.0 * c.predicted_tokens / c.predicted_ms, "samples": c.n}
+                for (b, w), c in sorted(self._cells.items())}

@@ -1,0 +1,211 @@
+"""The ingress over the whole application on the mock engine (``tests.mock_app``: Serve's local testing mode, HTTP
+over ASGI): OpenAI bodies and streams, API key, request limits, engine faults, retries on a replica that dies before
+answering, a stream cut mid-way, back-pressure, a client that goes away, the controller's view. Milliseconds each;
+``tests/integration/test_serve_app.py`` shows the same on real engines, replicas and HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.mock_app import MODEL, app_args, local_app, stream_until_gone
+from tests.mock_engine import FAULT
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def app():
+    a = local_app()
+    yield a
+    a.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"]
+    return err
+
+
+async def post(app, path: str, body: dict | None = None, **kw):
+    async with app.client() as c:
+        return await c.post(path, json=body, **kw) if body is not None else await c.post(path, **kw)
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_and_chat(app, stream):
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 5, "stream": stream}
+    r = run(post(app, "/v1/completions", body))
+    assert r.status_code == 200, r.text
+    if stream:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        got = events(r.text)
+        assert got[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in got[:-1]) == \
+            " w0 w1 w2 w3 w4"
+    else:
+        assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
+    r = run(post(app, "/v1/chat/completions", chat))
+    assert r.status_code == 200, r.text
+    if stream:
+        assert json.loads(events(r.text)[0])["object"] == "chat.completion.chunk"
+    else:
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": " w0 w1 w2"}
+    load = app.engine.load
+    assert (load.generated_tokens_total, load.ongoing_requests, load.engine_requests) == (8, 0, 0)
+
+
+def test_models_health_and_api_key(app):
+    async def scenario():
+        async with app.client(key=None) as anonymous, app.client("wrong") as wrong, app.client() as c:
+            assert (await anonymous.get("/health")).status_code == 200
+            for client in (anonymous, wrong):
+                for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/dcut/status")):
+                    r = await client.request(method, path, json={"model": MODEL, "prompt": "x"})
+                    assert error(r, 401)["type"] == "AuthenticationError"
+            page = await anonymous.get("/dcut/")
+            assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
+            return (await c.get("/v1/models")).json()
+
+    assert [m["id"] for m in run(scenario())["data"]] == [MODEL]
+    assert app.engine.load.generated_tokens_total == 0, "refused requests never reach the engine"
+
+
+# ---- client errors and limits ----------------------------------------------------------------
+
+def test_bad_requests_are_openai_errors(app):
+    bad = [("/v1/completions", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+           ("/v1/completions", {"json": [1, 2]}, 400),
+           ("/v1/completions", {"json": {"model": MODEL, "prompt": "x", "max_tokens": -3}}, 400),
+           ("/v1/chat/completions", {"json": {"model": MODEL, "messages": "not a list"}}, 400),
+           ("/v1/completions", {"json": {"model": "no-such-model", "prompt": "x"}}, 404)]
+    for path, kw, status in bad:
+        error(run(post(app, path, **kw)), status)
+    assert app.engine.load.ongoing_requests == 0
+
+
+def test_request_limits(app):
+    limits = app.ingress.settings.limits
+    big = b'{"model": "mock", "prompt": "' + b"x" * limits.max_body_bytes + b'"}'
+    error(run(post(app, "/v1/completions", content=big, headers={"content-type": "application/json"})), 413)
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for extra in ({"n": limits.max_n + 1}, {"max_tokens": limits.max_tokens + 1}, {"stop": ["a"] * 17}):
+        assert error(run(post(app, "/v1/completions", {**base, **extra})), 400)["param"] == next(iter(extra))
+    deep: dict = {}
+    for _ in range(limits.max_depth + 1):
+        deep = {"x": deep}
+    error(run(post(app, "/v1/completions", {**base, "extra": deep})), 400)
+    assert app.engine.load.generated_tokens_total == 0
+
+
+def test_prompt_token_limit_reaches_the_engine():
+    """``engine_replica.max_prompt_tokens`` is the engine's to check (it has the tokenizer): 400, both ways."""
+    app = local_app(app_args(engine_replica={"max_prompt_tokens": 3}))
+    try:
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": "a b c d", "max_tokens": 2, "stream": stream}
+            assert "at most 3" in error(run(post(app, "/v1/completions", body)), 400)["message"]
+        assert run(post(app, "/v1/completions", {"model": MODEL, "prompt": "a b c"})).status_code == 200
+    finally:
+        app.shutdown()
+
+
+# ---- engine faults, replica deaths, back-pressure --------------------------------------------
+
+def test_engine_fault_is_500_and_the_replica_keeps_serving(app):
+    for stream in (False, True):
+        body = {"model": MODEL, "prompt": f"a {FAULT} b", "max_tokens": 4, "stream": stream}
+        assert error(run(post(app, "/v1/completions", body)), 500)["type"] == "InternalServerError"
+    assert run(post(app, "/v1/completions", {"model": MODEL, "prompt": "ok"})).status_code == 200
+    assert app.engine.load.failed_total == 2 and app.engine.load.ongoing_requests == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_replica_that_dies_before_answering_is_retried(app, stream):
+    app.engine.die_before_first = 1  # max_attempts is 2
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": stream}))
+    assert r.status_code == 200 and app.engine.die_before_first == 0, r.text
+    app.engine.die_before_first = 2  # every try fails
+    err = error(run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "stream": stream})), 500)
+    assert "ActorDiedError" in err["message"]
+
+
+def test_no_retry_beyond_max_attempts():
+    app = local_app(app_args(ingress={"max_attempts": 1}))
+    try:
+        app.engine.die_before_first = 1
+        error(run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x"})), 500)
+        assert run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x"})).status_code == 200
+    finally:
+        app.shutdown()
+
+
+def test_replica_dying_mid_stream_ends_it_with_an_error_event(app):
+    app.engine.die_after_chunks = 2
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}))
+    assert r.status_code == 200  # the client already had chunks: no retry, no silent cut
+    got = events(r.text)
+    assert len(got) == 4 and got[-1] == "[DONE]", got
+    assert json.loads(got[-2])["error"]["code"] == 500 and "mid-stream" in json.loads(got[-2])["error"]["message"]
+
+
+def test_back_pressure_is_503_with_retry_after(app):
+    """Serve's handle raises BackPressureError when every replica's queue is full (local testing mode has no
+    queues: the mock raises it in their place); the ingress answers 503 with its Retry-After."""
+    app.engine.back_pressure = 1
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x"}))
+    assert error(r, 503)["type"] == "ServiceUnavailableError"
+    assert r.headers["Retry-After"] == str(app.ingress.settings.retry_after_s)
+
+
+def test_client_that_goes_away_aborts_the_engine_request(app):
+    app.engine.token_delay_s = 0.02  # 1000 tokens: 20 s, if nothing aborts them
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1000, "stream": True}
+    got = run(stream_until_gone("/v1/completions", body, chunks=3))
+    assert len(got) >= 3
+
+    async def settled():
+        deadline = time.monotonic() + 5
+        while app.engine.load.engine_requests or not app.engine.load.aborted_total:
+            assert time.monotonic() < deadline, app.engine.load
+            await asyncio.sleep(0.01)
+
+    run(settled())
+    load = app.engine.load
+    assert (load.aborted_total, load.engine_requests, load.ongoing_requests) == (1, 0, 0), load
+    assert load.generated_tokens_total < 500, "the engine kept generating for a client that left"
+
+
+# ---- the controller's view -------------------------------------------------------------------
+
+def test_status_shows_the_replica_report(app):
+    assert run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 6})).status_code == 200
+
+    async def status():
+        async with app.client() as c:
+            for _ in range(100):  # the replica reports every 50 ms
+                s = (await c.get("/dcut/status")).json()
+                if s["replicas"] and s["replicas"][0]["load"]["generated_tokens_total"] == 6:
+                    return s, (await c.get("/dcut/history")).json()
+                await asyncio.sleep(0.02)
+            raise AssertionError(s)
+
+    s, history = run(status())
+    (replica,) = s["replicas"]
+    assert replica["cost_source"] == "profiled" and replica["capacity_from"] == "estimates"
+    assert list(s["cost_tables"]) == [replica["fingerprint"]] and replica["model"] == MODEL
+    assert s["cluster"]["replicas"] == 1 and list(history["replicas"]) == [replica["replica_id"]]
