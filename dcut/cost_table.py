@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 import dcut
 from dcut.buckets import REFERENCE_RATIOS, bucket_budget
+from dcut.context_cost import ContextCost
 from dcut.machine import cpu_model
 
 if TYPE_CHECKING:  # tables are read by the Serve control plane too (controller, ingress), which loads no torch
@@ -79,14 +80,15 @@ class CostTable:
     ours); beyond the largest there is no cost. Between points the cost is linear in tokens (or
     width), and flat outside the profiled range. Each batch size also carries a verify ``offset``
     learned from live steps (see ``refine``), added to every point of its row; draft cells are
-    refined in place (``refine_draft``).
+    refined in place (``refine_draft``). ``context``: how verify costs grow with the requests' mean context
+    (``dcut.context_cost``; None: priced as at the profiled context); every verify lookup takes that context.
     """
 
     def __init__(self, fingerprint: Fingerprint, points: dict[int, Iterable[Sequence[float]]],
                  offsets: dict[int, Sequence[float]] | None = None,
                  draft: dict[int, dict[int, Sequence[float]]] | None = None,
-                 plain_offsets: dict[int, Sequence[float]] | None = None) -> None:
-        self.fingerprint = fingerprint
+                 plain_offsets: dict[int, Sequence[float]] | None = None, context: ContextCost | None = None) -> None:
+        self.fingerprint, self.context = fingerprint, context
         self.offsets: dict[int, tuple[float, int]] = {int(b): (float(o[0]), int(o[1]))
                                                       for b, o in (offsets or {}).items()}
         # Steps that verify no drafts run the engine's plain path (no rejection sampler): their
@@ -111,9 +113,9 @@ class CostTable:
         i = bisect.bisect_left(self._sizes, bs)
         return self._sizes[i] if i < len(self._sizes) else None
 
-    def lookup(self, bs: int, verify_tokens: int) -> float | None:
+    def lookup(self, bs: int, verify_tokens: int, context: float | None = None) -> float | None:
         """Cost in ms of one step, or None when no profiled batch size covers ``bs``."""
-        costs = self.lookup_many(bs, np.asarray([verify_tokens]))
+        costs = self.lookup_many(bs, np.asarray([verify_tokens]), context)
         return None if costs is None else float(costs[0])
 
     def offset(self, cover: int, plain: bool = False) -> float:
@@ -122,7 +124,7 @@ class CostTable:
         be tried, and the try measures it)."""
         return (self.plain_offsets if plain else self.offsets).get(cover, (0.0, 0))[0]
 
-    def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
+    def costs(self, bs: int, verify_tokens: Tensor, context: float | None = None) -> Tensor | None:
         """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
 
         Interpolates once per covering batch size onto every integer token count up to the last
@@ -142,16 +144,18 @@ class CostTable:
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
         costs = dense.take(verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
         delta = self.offset(cover, plain=True) - self.offset(cover)
-        return costs + (verify_tokens <= bs) * delta if delta else costs
+        costs = costs + (verify_tokens <= bs) * delta if delta else costs
+        return costs if self.context is None else self.context.apply(costs, verify_tokens, cover, context)
 
-    def lookup_many(self, bs: int, verify_tokens: np.ndarray) -> np.ndarray | None:
+    def lookup_many(self, bs: int, verify_tokens: np.ndarray, context: float | None = None) -> np.ndarray | None:
         """``lookup`` for many token counts at once (host side)."""
         cover = self.covering(bs)
         if cover is None:
             return None
         row = self.points[cover]
         costs = np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
-        return costs + (np.asarray(verify_tokens) <= bs) * (self.offset(cover, plain=True) - self.offset(cover))
+        costs = costs + (np.asarray(verify_tokens) <= bs) * (self.offset(cover, plain=True) - self.offset(cover))
+        return costs if self.context is None else self.context.apply(costs, np.asarray(verify_tokens), cover, context)
 
     def draft_cost(self, bs: int, width: int) -> float | None:
         """The drafter's cost in ms at ``width`` for ``bs`` requests; None when not profiled."""
@@ -192,9 +196,10 @@ class CostTable:
         for bs, row in self.points.items():
             ms = np.maximum.accumulate([p[1] for p in row])
             points[bs] = [(t, float(m), n) for (t, _, n), m in zip(row, ms, strict=True)]
-        return CostTable(self.fingerprint, points, self.offsets, self.draft, self.plain_offsets)
+        return CostTable(self.fingerprint, points, self.offsets, self.draft, self.plain_offsets, self.context)
 
-    def refine(self, bs: int, verify_tokens: int, ms: float, weight: float = 0.05) -> None:
+    def refine(self, bs: int, verify_tokens: int, ms: float, weight: float = 0.05,
+               context: float | None = None) -> None:
         """Fold in one timed live step as a correction of the whole row of the covering batch size.
 
         Dummy profiling steps leave out work whose cost does not depend on the verify budget
@@ -203,13 +208,14 @@ class CostTable:
         first ``1/weight`` samples and a moving average after. The sample is clipped to [0.5x, 2x]
         of the prediction first, so one noisy step (a GC pause, a prefill sharing the step) cannot
         wreck the table; a constant shift keeps the row non-decreasing in tokens. A step verifying
-        no drafts (``verify_tokens <= bs``) refines the plain-step correction instead.
+        no drafts (``verify_tokens <= bs``) refines the plain-step correction instead. The prediction
+        includes the step's ``context`` term, so steps at long context do not inflate the row.
         """
         cover = self.covering(bs)
         if cover is None:
             return
         plain = verify_tokens <= bs
-        predicted = self.lookup(bs, verify_tokens)
+        predicted = self.lookup(bs, verify_tokens, context)
         if predicted is None or predicted <= 0.0:
             return
         sample = min(max(ms, 0.5 * predicted), 2.0 * predicted)
@@ -229,7 +235,7 @@ class CostTable:
         """One table from several replicas' tables of the same fingerprint.
 
         Points at the same (batch size, tokens) average weighted by sample count; all points are
-        kept, and the result is made monotone again (`smoothed`).
+        kept, and the result is made monotone again (`smoothed`); context slopes weighted by samples.
         """
         if not tables:
             raise ValueError("merge needs at least one table")
@@ -255,7 +261,8 @@ class CostTable:
         offsets = {bs: _weighted(offs) for bs, offs in corrections.items()}
         draft = {bs: {w: _weighted(cells) for w, cells in row.items()} for bs, row in drafts.items()}
         plain = {bs: _weighted(offs) for bs, offs in plain_corrections.items()}
-        return cls(fingerprint, rows, offsets, draft, plain).smoothed()
+        context = ContextCost.merge([t.context for t in tables])
+        return cls(fingerprint, rows, offsets, draft, plain, context).smoothed()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -265,6 +272,7 @@ class CostTable:
             "plain_offsets": {str(bs): list(o) for bs, o in sorted(self.plain_offsets.items())},
             "draft": {str(bs): {str(w): list(c) for w, c in sorted(row.items())}
                       for bs, row in sorted(self.draft.items())},
+            **({"context": self.context.to_json()} if self.context is not None else {}),
         }
 
     @classmethod
@@ -272,7 +280,8 @@ class CostTable:
         return cls(Fingerprint(**data["fingerprint"]), {int(bs): row for bs, row in data["points"].items()},
                    {int(bs): o for bs, o in data.get("offsets", {}).items()},
                    {int(bs): {int(w): c for w, c in row.items()} for bs, row in data.get("draft", {}).items()},
-                   {int(bs): o for bs, o in data.get("plain_offsets", {}).items()})
+                   {int(bs): o for bs, o in data.get("plain_offsets", {}).items()},
+                   ContextCost.from_json(data["context"]) if data.get("context") else None)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -297,14 +306,14 @@ class CostTable:
 
 class StepCost:
     """A whole step's cost, as the verify-budget choice needs it (``dcut.selection.CostLookup``):
-    verifying ``tokens`` plus the drafter's pass at ``width`` (already paid, but part of the step
-    the tokens are spread over) plus the engine's per-step overhead."""
+    verifying ``tokens`` at mean ``context`` plus the drafter's pass at ``width`` (already paid, but part
+    of the step the tokens are spread over) plus the engine's per-step overhead."""
 
-    def __init__(self, table: CostTable, width: int, overhead_ms: float = 0.0) -> None:
-        self.table, self.width, self.overhead_ms = table, width, overhead_ms
+    def __init__(self, table: CostTable, width: int, overhead_ms: float = 0.0, context: float | None = None) -> None:
+        self.table, self.width, self.overhead_ms, self.context = table, width, overhead_ms, context
 
     def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
-        verify = self.table.costs(bs, verify_tokens)
+        verify = self.table.costs(bs, verify_tokens, self.context)
         if verify is None:
             return None
         return verify + ((self.table.draft_cost(bs, self.width) or 0.0) + self.overhead_ms)

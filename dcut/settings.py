@@ -75,6 +75,10 @@ class DCutSettings(BaseModel):
     profile_batch_sizes: list[int] | None = Field(
         None, description="Batch sizes to profile (default: powers of two up to max_num_seqs).")
     profile_context_len: int = Field(128, ge=1, description="Context length of the dummy profiling requests.")
+    profile_context_lens: list[int] | None = Field(
+        None, description="Context lengths at which verify steps are also profiled, for how their cost grows with "
+        "context (dcut.context_cost): full width at each, a plain step at the longest. Default: about max_model_len/4 "
+        "and /2 and max_model_len - K - 2; [] profiles none (verify costs then ignore context).")
     profile_warmups: int = Field(2, ge=0)
     profile_repeats: int = Field(3, ge=1)
     refine: bool = Field(True, description="Refine the cost table from timed live steps.")
@@ -96,6 +100,8 @@ class DCutSettings(BaseModel):
     def _sizes_positive(self) -> DCutSettings:
         if self.profile_batch_sizes is not None and any(b < 1 for b in self.profile_batch_sizes):
             raise ValueError("profile_batch_sizes must all be >= 1")
+        if self.profile_context_lens is not None and any(c < 1 for c in self.profile_context_lens):
+            raise ValueError("profile_context_lens must all be >= 1")
         if self.widths is not None and (not self.widths or any(w < 0 for w in self.widths)):
             raise ValueError("widths must be a non-empty list of integers >= 0")
         if not self.trace_widths or any(w < 1 for w in self.trace_widths):
@@ -150,6 +156,11 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     max_model_len: int = Field(1024, ge=16)
     max_num_batched_tokens: int | None = Field(None, ge=16)
+    prefix_caching: bool | None = Field(None, description="vLLM's automatic prefix caching (None: vLLM's default, "
+                                        "on). The live benchmarks turn it off in every arm: their repeats re-send the "
+                                        "same prompts, and vLLM 0.32's drafter engines (EAGLE family, DFlash) give up "
+                                        "the last matched block of a hit, 128 tokens on CPU, so an engine without a "
+                                        "drafter would prefill less for reasons that are not decoding.")
     async_scheduling: bool | None = Field(None, description="An engine without a drafter: vLLM's asynchronous "
                                           "scheduling (None: vLLM's default, on). Engines with a drafter run "
                                           "synchronously here (D-Cut cuts drafts before the next schedule).")

@@ -91,3 +91,7 @@ class DCutSnapshot(_Record):
         None, description="Per drafted width: `Calibrator.reliability`.")
     learned: LearnedState | None = Field(None, description="Mode joint: what a replica starting after this one "
                                          "can start from (`dcut.learned`).")
+    cost_table_s: float | None = Field(None, description="Seconds the engine took to load or profile its cost "
+                                       "table at start (None before it did).")
+    compile_s: float | None = Field(None, description="Seconds vLLM reported compiling the target and drafter at start "
+                                    "(its CompilationTimes; None where it did not say).")

@@ -56,8 +56,15 @@ class Trace:
     def pool(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(log_conf [n, width] float64, accepted [n] int64)`` of every known row drafted at ``width``,
         in recording order: the rows replay draws from when a policy drafts ``width``."""
-        rows = (self.row_width() == width) & (self.accepted >= 0)
+        rows = self._pooled(width)
         return (self.log_conf[rows, :width].astype(np.float64), self.accepted[rows].astype(np.int64))
+
+    def pool_context(self, width: int) -> np.ndarray:
+        """The context length (int64) of each row of ``pool(width)``, in the same order (0: not recorded)."""
+        return self.ctx_len[self._pooled(width)].astype(np.int64)
+
+    def _pooled(self, width: int) -> np.ndarray:
+        return (self.row_width() == width) & (self.accepted >= 0)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

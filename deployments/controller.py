@@ -144,6 +144,7 @@ class DCutController:
                 "demand_tokens_per_s": r.demand_tokens_per_s,
                 "load": r.load.model_dump(),
                 "specexit": r.specexit and r.specexit.model_dump(),
+                "request_acceptance": r.acceptance and r.acceptance.model_dump(),
                 "age_s": round(time.time() - r.sent_at, 2),
             })
         return {

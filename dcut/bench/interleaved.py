@@ -86,7 +86,9 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs
 
-    arms = arms_for(base.model_copy(update={"max_num_seqs": max(batch_sizes)}), modes, schedule)
+    # No prefix caching in any arm (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
+    base = base.model_copy(update={"max_num_seqs": max(batch_sizes), "prefix_caching": False})
+    arms = arms_for(base, modes, schedule)
     engines = {}
     for arm in tqdm(arms, desc="building engines", unit="engine"):
         start = time.perf_counter()

@@ -70,7 +70,9 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
     """Run every requested mode; returns the sweep record (also written to ``out/``)."""
     out.mkdir(parents=True, exist_ok=True)
     k = base.num_speculative_tokens
-    base = base.model_copy(update={"dcut": base.dcut.model_copy(update={"cache_dir": str(out / "cost_cache")})})
+    # No prefix caching in any mode (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
+    base = base.model_copy(update={"dcut": base.dcut.model_copy(update={"cache_dir": str(out / "cost_cache")}),
+                                   "prefix_caching": False})
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     notes: list[str] = []
     dynamic: dict[str, Any] | None = None  # what the dynamic mode ran: vLLM's dynamic speculation or its stand-in

@@ -20,6 +20,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64", help="comma-separated batch sizes")
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context-lens", type=lambda t: [int(c) for c in t.split(",") if c.strip()],
+                        help="context lengths to profile the verify cost's growth with context at, e.g. 256,512,1007 "
+                             "('' for none; default: about max-model-len/4 and /2 and max-model-len - K - 2)")
     parser.add_argument("--out", default="docs/profile", help="output folder")
 
 
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as fresh_cache:  # always measure, never read a cached table
         dcut = base.dcut.model_copy(update={"mode": "reference", "cost_table": None, "cache_dir": fresh_cache,
                                             "profile_batch_sizes": sizes, "profile_warmups": args.warmups,
-                                            "profile_repeats": args.repeats})
+                                            "profile_repeats": args.repeats,
+                                            "profile_context_lens": args.context_lens})
         settings = base.model_copy(update={"dcut": dcut, "max_num_seqs": max(sizes)})
         llm = LLM(**engine_kwargs(settings))  # profiles the verify rows and the drafter at every width
         table = read_cost_table(llm)
@@ -54,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
                     title=f"{Path(fp['model']).name} + {Path(fp['drafter'] or '-').name}, K={fp['k']}, "
                           f"TP={fp['tensor_parallel_size']}, {fp['hardware']}")
     print(json.dumps({"table": str(out / "cost_table.json"), "plot": str(out / "cost_table.png"),
-                      "batch_sizes": sorted(int(b) for b in table["points"])}))
+                      "batch_sizes": sorted(int(b) for b in table["points"]), "context": table.get("context")}))
     return 0

@@ -19,6 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", help="a custom case: trace .npz file or folder of them (with --costs)")
     parser.add_argument("--costs", help="a custom case: cost model / cost table JSON (with --trace)")
     parser.add_argument("--bs", help="batch sizes of a custom case, e.g. 1,4,16,64 (default: the cost model's)")
+    parser.add_argument("--context", type=float, help="a custom case: every step's mean context length instead of "
+                        "the trace's (priced where the cost table has a context term)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
@@ -36,9 +38,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--steps must be >= 1 and --warmup >= 0")
     if (args.trace is None) != (args.costs is None):
         raise CommandError("--trace and --costs go together")
+    if args.context is not None and (args.trace is None or args.context < 1):
+        raise CommandError("--context is a custom case's (with --trace and --costs), at least 1")
     try:
         if args.trace is not None:
-            cases = [custom_case(Path(args.trace), Path(args.costs), args.bs)]
+            cases = [custom_case(Path(args.trace), Path(args.costs), args.bs, args.context)]
         else:
             cases = [CASES[name]() for name in (args.case or sorted(CASES))]
     except (OSError, ValueError, KeyError) as e:

@@ -138,7 +138,8 @@ CASES: dict[str, Callable[[], Case]] = {"deep-cpu": deep_cpu, "h20-paper": h20_p
                                         "gpu-script-tiny": gpu_script_tiny}
 
 
-def custom_case(trace: Path, costs: Path, batch_sizes: str | None) -> Case:
+def custom_case(trace: Path, costs: Path, batch_sizes: str | None, context: float | None = None) -> Case:
     cost = CostModel.load(costs)
     sizes = [int(b) for b in batch_sizes.split(",")] if batch_sizes else cost.batch_sizes()
-    return Case(trace.stem, load_traces(trace), cost, sizes, f"{trace} against {costs}")
+    at = "" if context is None else f", every step at context {context:g}"
+    return Case(trace.stem, load_traces(trace), cost, sizes, f"{trace} against {costs}{at}", context)

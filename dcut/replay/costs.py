@@ -37,9 +37,10 @@ class CostModel:
             return self
         return CostModel(self.name, self.prior, self.per_step_ms, self.per_token_ms, {}, self.notes)
 
-    def verify(self, bs: int, tokens: int) -> float:
-        """The target's step verifying ``tokens`` (bs anchors + kept drafts) for ``bs`` requests."""
-        cost = self.table.lookup(bs, tokens)
+    def verify(self, bs: int, tokens: int, context: float | None = None) -> float:
+        """The target's step verifying ``tokens`` (bs anchors + kept drafts) for ``bs`` requests at mean
+        ``context`` (priced only where the table has a context term, ``dcut.context_cost``)."""
+        cost = self.table.lookup(bs, tokens, context)
         if cost is None:
             raise ValueError(f"cost model {self.name} does not cover batch size {bs}")
         return cost
@@ -51,12 +52,14 @@ class CostModel:
             raise ValueError(f"cost model {self.name} has no drafter cost at batch size {bs}")
         return cost
 
-    def none(self, bs: int) -> float:
-        """A step of ``none`` (no speculation: no drafter in the engine), overhead excluded."""
+    def none(self, bs: int, context: float | None = None) -> float:
+        """A step of ``none`` (no speculation: no drafter in the engine), overhead excluded; a measured one pays
+        the table's context term for its ``bs`` tokens as well."""
         cover = self.table.covering(bs)
         if cover is not None and cover in self.none_ms:
-            return self.none_ms[cover]
-        return self.verify(bs, bs)
+            extra = 0.0 if self.table.context is None else self.verify(bs, bs, context) - self.verify(bs, bs)
+            return self.none_ms[cover] + extra if extra else self.none_ms[cover]
+        return self.verify(bs, bs, context)
 
     def overhead(self, tokens: float) -> float:
         """The engine's time outside the model for a step emitting ``tokens``."""

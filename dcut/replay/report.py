@@ -35,6 +35,7 @@ class Case:
     cost: CostModel
     batch_sizes: list[int]
     description: str = ""
+    context: float | None = None  # every step's mean context, instead of the trace's (where the costs price it)
 
 
 PolicyMaker = Callable[[SimClock], Policy]
@@ -69,7 +70,7 @@ def _named(policy: Policy, name: str) -> Policy:
 
 def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: bool = True) -> list[Cell]:
     """Every policy at every batch size, then ``dynamic`` and the ``oracle``."""
-    pools = Pools(case.trace)
+    pools = Pools(case.trace, case.context)
     makers = list(policy_makers(case, pools))
     cells: list[Cell] = []
     with tqdm(total=len(makers) * len(case.batch_sizes), desc=f"replay {case.name}", disable=not progress) as bar:
@@ -111,6 +112,7 @@ def summarize(case: Case, cells: list[Cell]) -> dict[str, object]:
             **c.extra,
         })
     return {"name": case.name, "description": case.description, "batch_sizes": case.batch_sizes,
+            **({"context": case.context} if case.context is not None else {}),
             "cost_model": {"name": case.cost.name, "fingerprint": case.cost.table.fingerprint.model_dump(),
                            "overhead": {"per_step_ms": case.cost.per_step_ms, "per_token_ms": case.cost.per_token_ms},
                            "notes": case.cost.notes},

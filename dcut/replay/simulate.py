@@ -11,6 +11,10 @@ same drafts, and a difference between their figures is a difference between thei
 walks through consecutive rows from its own starting point: a recorded request's steps are consecutive
 rows, so a slot's acceptance drifts the way a request's does, and slots start far apart in the pool.
 
+The batch's context at step n, also common to every policy, is the mean recorded context of the rows the
+widest width's pool gives at step n (or a fixed one, ``Pools(context=...)``); every verify step and every
+decision of step n is priced at it where the cost model has a context term (``dcut.context_cost``).
+
 The project's own policies run as they do in an engine: ``RunnerPolicy`` drives the runner
 (``dcut.vllm.state.RunnerDCut``: width choice, probes, realized rates, calibration, selection, cost
 refinement) on a simulated clock that advances by the modelled times, so what it measures is what
@@ -36,11 +40,14 @@ from dcut.trace import Trace
 class Pools:
     """Each width's rows of a trace: what replay draws a request's drafts and true acceptance from."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, context: float | None = None) -> None:
+        """``context``: every step's mean context, instead of the trace's recorded ones."""
         self.k = trace.k
         self._pools = {w: trace.pool(w) for w in trace.widths()}
         if not self._pools:
             raise ValueError("the trace holds no fully verified rows")
+        self._context = trace.pool_context(max(self._pools))
+        self._fixed_context = context
 
     @property
     def widths(self) -> list[int]:
@@ -57,6 +64,14 @@ class Pools:
         n = len(accepted)
         index = (np.arange(bs) * (n // bs) + step) % n
         return conf[index], accepted[index]
+
+    def context(self, step: int, bs: int) -> float | None:
+        """The batch's mean context at ``step`` (None where the trace recorded none, as synthetic ones do)."""
+        if self._fixed_context is not None:
+            return self._fixed_context
+        n = len(self._context)
+        lengths = self._context[(np.arange(bs) * (n // bs) + step) % n]
+        return float(lengths.mean()) if (lengths > 0).all() else None
 
 
 class SimClock:
@@ -108,14 +123,15 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
     for n in range(warmup + steps):
         accepted = np.minimum(true, kept)
         emitted = bs + int(accepted.sum())
+        context = pools.context(n, bs)
         if n:  # what this step's verification shows, before the next width is chosen (as in the engine)
             last = Verified(width_prev, kept, accepted, step_ms)
         if begin is not None:
-            begin(bs, kept)
+            begin(bs, kept, context)
         if none:
-            verify_ms, draft_ms, w = cost.none(bs), 0.0, 0
+            verify_ms, draft_ms, w = cost.none(bs, context), 0.0, 0
         else:
-            verify_ms = cost.verify(bs, bs + int(kept.sum()))
+            verify_ms = cost.verify(bs, bs + int(kept.sum()), context)
             clock.advance(verify_ms)
             w = policy.width(bs, last)
             draft_ms = cost.draft(bs, w)
@@ -158,8 +174,9 @@ class RunnerPolicy:
         self._steps = 0
         self.converged_at = 0  # the step from which the chosen width stayed what it is at the end
 
-    def begin(self, bs: int, kept: np.ndarray) -> None:
+    def begin(self, bs: int, kept: np.ndarray, context: float | None = None) -> None:
         self._bs = bs
+        self.runner.context = context  # what the engine's hooks tell it each step
         if len(self._ids) != bs:
             self._ids = [f"r{i}" for i in range(bs)]
         n = kept.tolist()
@@ -214,16 +231,18 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
     Maximises total tokens over total time (not each step's rate): Dinkelbach's iteration on
     ``tokens - rate * ms`` per step converges to the best ratio in a few rounds. Width 0 costs the
     cheaper of a ``none`` step (no drafter) and a width-0 step, so the oracle is at least ``none``.
+    Each step is priced at its context, as the policies' are.
     """
     widths = [0, *pools.widths]
-    zero = min(cost.none(bs), cost.verify(bs, bs) + cost.draft(bs, 0))
     options = []  # per step and width: (tokens [B+1], ms [B+1]) for verify budgets B = 0..accepted drafts
     for n in range(steps):
         row = []
+        context = pools.context(warmup + n, bs)
+        zero = min(cost.none(bs, context), cost.verify(bs, bs, context) + cost.draft(bs, 0))
         for w in widths:
             accepted = int(pools.rows(w, warmup + n, bs)[1].sum())
             tokens = bs + np.arange(accepted + 1, dtype=np.float64)
-            verify = cost.table.lookup_many(bs, tokens.astype(np.int64))
+            verify = cost.table.lookup_many(bs, tokens.astype(np.int64), context)
             if verify is None:
                 raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
             ms = (np.full_like(tokens, zero) if w == 0 else verify + cost.draft(bs, w)) + cost.overhead(tokens)

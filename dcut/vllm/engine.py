@@ -33,6 +33,8 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kw["distributed_executor_backend"] = settings.distributed_executor_backend
     if settings.served_model_name:
         kw["served_model_name"] = settings.served_model_name
+    if settings.prefix_caching is not None:
+        kw["enable_prefix_caching"] = settings.prefix_caching
     if settings.method == "none" and settings.async_scheduling is not None:
         kw["async_scheduling"] = settings.async_scheduling
     if settings.method != "none":

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dcut.context_cost import default_lengths
 from dcut.vllm.runner_hooks import hooks_for
 from dcut.vllm.state import RunnerDCut
 
@@ -25,10 +26,13 @@ def wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[...,
         result = original(self, *args, **kwargs)
         runner = self.model_runner
         state = hooks_for(runner).dcut  # a pair SpecExit cannot run on fails here, at start-up
+        if state is not None:  # vLLM's CompilationTimes (the CPU worker compiled earlier and says 0)
+            compiled = getattr(result, "language_model", None)
+            state.compile_s = float(compiled) + float(getattr(result, "encoder", 0.0) or 0.0) if compiled else None
         if state is not None and state.cost_source == "pending":
             state.load_or_profile(functools.partial(_profile_step, runner, state),
                                   functools.partial(_profile_draft, runner),
-                                  _profile_batch_sizes(runner, state))
+                                  _profile_batch_sizes(runner, state), _profile_context_lens(runner, state))
             from vllm.utils.torch_utils import set_random_seed
 
             set_random_seed(self.model_config.seed)  # profiling must not shift the sampling RNG
@@ -47,8 +51,18 @@ def _profile_batch_sizes(runner: Any, state: RunnerDCut) -> list[int]:
     return [b for b in sizes if b <= max_seqs and b * (state.k + 1) <= runner.max_num_tokens]
 
 
-def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -> None:
-    """One dummy verify step of ``verify_tokens`` spread over ``bs`` requests, without the drafter.
+def _profile_context_lens(runner: Any, state: RunnerDCut) -> list[int]:
+    """The context lengths the verify cost's growth with context is profiled at (``dcut.context_cost``): those
+    set, else the defaults; only those a full-width verify step fits in ``max_model_len``."""
+    lens, longest = state.settings.profile_context_lens, runner.max_model_len - state.k - 2
+    if lens is None:
+        lens = default_lengths(runner.max_model_len, state.k, state.settings.profile_context_len)
+    return sorted({c for c in lens if c <= longest} - {state.settings.profile_context_len})
+
+
+def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int, context: int | None = None) -> None:
+    """One dummy verify step of ``verify_tokens`` spread over ``bs`` requests, without the drafter, each request
+    at ``context`` tokens before its verify tokens (default: ``profile_context_len``).
 
     ``GPUModelRunner._dummy_run`` spreads tokens over ``min(tokens, max_num_seqs)`` requests, so
     max_num_seqs is set to ``bs`` for the call; logits are computed for every verify token, as a
@@ -64,7 +78,7 @@ def _profile_step(runner: Any, state: RunnerDCut, bs: int, verify_tokens: int) -
     if drafter is not None:
         drafter.dummy_run = _no_drafter_pass
     try:
-        context = state.settings.profile_context_len + verify_tokens // bs + 1
+        context = (state.settings.profile_context_len if context is None else context) + verify_tokens // bs + 1
         hidden, _ = runner._dummy_run(verify_tokens, force_attention=True, profile_seq_lens=context,
                                       randomize_inputs=True)
         runner.model.compute_logits(hidden[:verify_tokens])

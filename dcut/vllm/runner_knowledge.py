@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dcut.calibration import Calibrator
+from dcut.context_cost import profile_context
 from dcut.cost_table import CostTable, Fingerprint, StepCost, cached_table_path, profile_cost_table
 from dcut.learned import LearnedState
 from dcut.overhead import EngineOverhead
@@ -46,13 +47,17 @@ class RunnerKnowledge:
     cost_path: str | None
     window: StepWindow
     steps: int
+    cost_table_s: float | None = None  # start-up: loading or profiling the cost table took this long
+    compile_s: float | None = None  # start-up: vLLM's compile seconds (CompilationTimes), where it said
 
     # -- cost table ------------------------------------------------------------------------
     def cache_path(self) -> Path:
         return cached_table_path(self.settings.cache_dir, self.fingerprint.key())
 
-    def load_or_profile(self, run_step: Any, run_draft: Any, batch_sizes: list[int]) -> None:
-        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache).
+    def load_or_profile(self, run_step: Any, run_draft: Any, batch_sizes: list[int],
+                        context_lens: list[int] | None = None) -> None:
+        """Use a handed-in table, else the cache for this fingerprint, else profile (and cache); a profile
+        measures verify steps at ``context_lens`` too (``run_step(bs, tokens, context)``: ``dcut.context_cost``).
 
         Every mode loads one: the modes that do not decide by cost still give throughput estimates.
         """
@@ -72,12 +77,20 @@ class RunnerKnowledge:
             self.cost_table = profile_cost_table(
                 run_step, batch_sizes, self.k, self.fingerprint, warmups=self.settings.profile_warmups,
                 repeats=self.settings.profile_repeats, run_draft=run_draft, widths=widths)
+            if context_lens:
+                started = time.perf_counter()
+                self.cost_table.context = profile_context(
+                    run_step, self.cost_table.lookup, batch_sizes, self.k, self.settings.profile_context_len,
+                    context_lens, warmups=self.settings.profile_warmups, repeats=self.settings.profile_repeats)
+                logger.info("D-Cut: verify cost by context profiled at %s in %.1f s: slopes %s", context_lens,
+                            time.perf_counter() - started, self.cost_table.context.to_json())
             self.cost_table.save(self.cache_path())
             self.cost_source = "profiled"
         else:
             self.cost_source = "fallback"
+        self.cost_table_s = time.perf_counter() - start
         logger.info("D-Cut: cost table %s%s in %.1f s", self.cost_source, f" ({self.cost_path})" if self.cost_path
-                    else "", time.perf_counter() - start)
+                    else "", self.cost_table_s)
         if self.settings.learned and self.joint:
             state = LearnedState.model_validate_json(Path(self.settings.learned).read_text())
             if state.fingerprint != self.fingerprint.key() or state.widths != self.widths:
@@ -162,7 +175,7 @@ class RunnerKnowledge:
             overhead=Overhead(per_step_ms=self.overhead.per_step_ms, per_token_ms=self.overhead.per_token_ms),
             cost_table=None if self.cost_table is None else self.cost_table.to_json(),
             calibration={w: c.reliability() for w, c in self.calibrators.items()} or None, learned=self.learned(),
-            **joint)
+            cost_table_s=self.cost_table_s, compile_s=self.compile_s, **joint)
 
 
 def _fmt(value: float | None) -> str:

@@ -19,6 +19,7 @@ drafter's forward has collectives), so the patch hands rank 0's choice to the ot
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -118,6 +119,9 @@ class RunnerDCut(RunnerKnowledge):
         self._trace_turn = 0
         self.requests = RequestSpeculation(k, settings.default_max_width)  # caps, and what speculation did
         self._caps: list[int] | None = None  # this step's caps, in batch order (None: none below K)
+        # The batch's mean context (tokens so far; the hooks set it each step, before the width is chosen): every
+        # verify cost this step looks up or refines is priced at it (dcut.context_cost). None: the profiled one.
+        self.context: float | None = None
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
@@ -151,9 +155,9 @@ class RunnerDCut(RunnerKnowledge):
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
             return self.width
-        bucket = table.covering(bs)
-        model = width_utilities(bs, self.widths, self.width_stats.survival(), table.lookup_many,
-                                table.draft_costs, self.overhead.ms)
+        bucket, verify_ms = table.covering(bs), functools.partial(table.lookup_many, context=self.context)
+        model = width_utilities(bs, self.widths, self.width_stats.survival(), verify_ms, table.draft_costs,
+                                self.overhead.ms)
         chosen = None if bucket is None else choose_width(self.realized.apply(bucket, model), self._held,
                                                           self.settings.width_hysteresis,
                                                           lambda w: self.realized.noise(bucket, w))
@@ -167,7 +171,7 @@ class RunnerDCut(RunnerKnowledge):
         def samples(w: int) -> float:  # fresh requests measured at w
             return self.realized.fresh(bucket, w) * bucket
 
-        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), table.lookup_many,
+        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), verify_ms,
                                   table.draft_costs, self.overhead.ms)
         step_ms = {c.width: c.step_ms for c in hopeful if c is not None}
         explore = self.explorer.pick(chosen, self.widths, self.realized.optimistic(bucket, hopeful), samples,
@@ -194,7 +198,8 @@ class RunnerDCut(RunnerKnowledge):
     def _full_step_ms(self, bs: int, width: int) -> float | None:
         """Estimated step time drafting ``width`` and verifying all of it (a probe)."""
         assert self.cost_table is not None
-        verify, draft = self.cost_table.lookup(bs, bs * (1 + width)), self.cost_table.draft_cost(bs, width)
+        verify = self.cost_table.lookup(bs, bs * (1 + width), self.context)
+        draft = self.cost_table.draft_cost(bs, width)
         return None if verify is None or draft is None else verify + draft + float(self.overhead.ms(bs * (1 + width)))
 
     def on_drafted(self, req_ids: list[str], log_conf: Tensor | None, sampled: Tensor | None,
@@ -240,7 +245,7 @@ class RunnerDCut(RunnerKnowledge):
                 self._caps, device=scored.device)[:, None]
             scored = scored.masked_fill(beyond, NEVER)
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
-                                                             float(self.overhead.ms(log_conf.shape[0])))
+                                                             float(self.overhead.ms(log_conf.shape[0])), self.context)
         keep, decision = select(scored, self.settings, cost)
         self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6,
                                  marginal_gains(scored) if self.joint else None)
@@ -295,7 +300,7 @@ class RunnerDCut(RunnerKnowledge):
         table = self.cost_table
         if table is not None and self.settings.refine:
             if self._step_shape is not None and self._verify_ms is not None and table.covering(self._step_shape[0]):
-                table.refine(*self._step_shape, self._verify_ms)
+                table.refine(*self._step_shape, self._verify_ms, context=self.context)
             if self._step_shape is not None and self._draft_ms is not None:
                 table.refine_draft(self._step_shape[0], self.width, self._draft_ms)
         per_pos_kept = [0] * self.k
@@ -361,7 +366,7 @@ class RunnerDCut(RunnerKnowledge):
             tokens = bs + bs * float(pending.expected.sum())  # the gains of keeping every draft
         else:  # width 0
             drafts, tokens = 0, float(bs)
-        verify = table.lookup(bs, bs + drafts)
+        verify = table.lookup(bs, bs + drafts, self.context)
         draft = table.draft_cost(bs, cycle.width)
         if verify is not None and draft is not None:
             cycle.predicted_tokens = tokens

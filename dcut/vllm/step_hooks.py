@@ -95,6 +95,8 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
                 specexit.on_drafted(list(self.input_batch.req_ids), self.requests, self.num_spec_tokens)
             return drafts
         req_ids = list(self.input_batch.req_ids)
+        context = self.input_batch.num_tokens_no_spec[:len(req_ids)]  # each request's tokens so far (numpy)
+        state.context = float(context.mean()) if len(req_ids) else None  # every cost lookup of the step prices it
         caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests))
         width = state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule)
         width = _agreed(self, min(width, max(caps, default=width)))  # never wider than the batch's largest cap
@@ -118,8 +120,8 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
         drafted = hooks.draft if torch.is_tensor(drafts) and width else None
         log_conf = None if drafted is None else drafted.log_conf
         num_draft = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
-        context = None if state.tracer is None else self.input_batch.num_tokens_no_spec[:len(req_ids)].tolist()
-        state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft, context, caps)
+        state.on_drafted(req_ids, log_conf, sampled_token_ids, num_draft,
+                         None if state.tracer is None else context.tolist(), caps)
         return drafts
     return propose_draft_token_ids
 

@@ -162,6 +162,17 @@ function replicaCharts(status, history, colorOf) {
   const acceptance = status.replicas.map((r) => ({ name: short(r.replica_id), color: colorOf(r.replica_id),
     points: (r.acceptance.per_position || []).map((a, i) => [i + 1, a]) }));
   lineChart(document.getElementById("chart-acceptance"), acceptance, { xLabel: "draft position" });
+  // Per-request acceptance rate of the responses each replica served (dcut.speculation.AcceptanceHistogram),
+  // every route summed: the share of its requests in each tenth of accepted / verified drafts.
+  const perRequest = status.replicas.map((r) => {
+    const counts = Object.values((r.request_acceptance || {}).counts || {}).reduce(
+      (sum, c) => sum.map((v, i) => v + c[i]), Array(10).fill(0));
+    const n = counts.reduce((a, b) => a + b, 0);
+    return { name: short(r.replica_id), color: colorOf(r.replica_id),
+      points: n ? counts.map((c, i) => [(i + 0.5) / 10, c / n]) : [] };
+  });
+  lineChart(document.getElementById("chart-request-acceptance"), perRequest,
+    { xLabel: "acceptance rate (accepted / verified drafts)" });
 }
 
 function clusterCharts(status, history) {
@@ -195,7 +206,8 @@ function scaling(log, cluster) {
   document.getElementById("decisions").replaceChildren(html("tr", {}, ...cols.map((c) => html("th", {}, c))), ...rows);
 }
 
-// One figure per table and part: verify cost by tokens, drafter cost by width; one line per batch size.
+// One figure per table and part: verify cost by tokens, its growth with context (where profiled), drafter cost
+// by width; one line per batch size.
 function costTables(tables) {
   const box = document.getElementById("cost-tables");
   const figures = [];
@@ -212,6 +224,20 @@ function costTables(tables) {
       points: table.points[bs].map(([tokens, ms]) => [tokens, ms + ((table.offsets[bs] || [0])[0])]) })),
     { xLabel: "verify tokens per step" });
     figures.push(verify);
+    const ctx = table.context;  // dcut.context_cost: how the verify cost grows with the requests' mean context
+    if (ctx && Object.keys(ctx.slope_ms).length) {
+      const lengths = [...new Set([ctx.profiled_at, ...ctx.lengths])].sort((a, b) => a - b);
+      const context = html("figure", { class: "chart cost-context", "data-fingerprint": key,
+        "data-title": `Full-width verify cost (ms) vs mean context — ${name} (rows profiled at ${ctx.profiled_at})` });
+      lineChart(context, sizes.filter((bs) => bs in ctx.slope_ms).map((bs) => {
+        const [tokens, ms] = table.points[bs].at(-1);
+        const base = ms + ((table.offsets[bs] || [0])[0]);
+        const perContext = ((ctx.step_slope_ms || {})[bs] || 0) + ctx.slope_ms[bs] * tokens;
+        return { name: `bs ${bs}`, color: color(bs),
+          points: lengths.map((c) => [c, Math.max(base + (c - ctx.profiled_at) * perContext, 0.5 * base)]) };
+      }), { xLabel: "mean context length (tokens)" });
+      figures.push(context);
+    }
     if (!draftSizes.length) continue;
     const draft = html("figure", { class: "chart cost-table", "data-fingerprint": key,
       "data-title": `Drafter cost (ms) vs drafted width — ${name}` });

@@ -139,6 +139,9 @@ def test_cost_table_cached_and_reused(tiny, cache_dir):
     # A controller hands tables out by the fingerprint computed from settings, before any engine runs.
     assert first["table"]["fingerprint"] == fingerprint(settings).model_dump()
     assert first["stats"].estimates, "throughput estimates come from the cost table and live acceptance"
+    context = first["table"]["context"]  # max_model_len 256, K 7: a quarter of it, and the longest full-width step
+    assert context["profiled_at"] == 128 and context["lengths"] == [64, 247], context
+    assert set(context["slope_ms"]) == {"1", "4", "16"} and min(context["slope_ms"].values()) >= 0.0, context
     again = _run(_settings(tiny, "dflash", "continuous", cache_dir))
     assert again["stats"].cost_source == "cache", "a restart with the same setup must reuse the table"
 

@@ -397,7 +397,7 @@ def test_status_page_in_chromium(client):
         latest = page.inner_text("#scaling-latest")
     assert not errors, errors
     charts = ["batch_size", "queued", "keep_ratio", "drafted_width", "tokens_per_s", "acceptance", "capacity",
-              "replicas"]
+              "replicas", "request-acceptance"]  # drafts were verified above: some response has an acceptance rate
     assert all(drawn.pop(f"chart-{name}") >= 1 for name in charts), drawn
     assert tables == 2 * list(status["cost_tables"]) and all(n >= 2 for n in drawn.values()), drawn  # bs 1, 4
     assert shown == replicas

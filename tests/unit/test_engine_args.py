@@ -68,3 +68,15 @@ def test_cli_mode_auto_is_refused_naming_its_new_name(capsys):
     with pytest.raises(CommandError, match="mode 'auto' was renamed to 'reference'"):
         batch_sizes_and_modes("1,4", "none,auto", SWEEP_MODES)
     assert batch_sizes_and_modes("4,1", "none,reference", SWEEP_MODES) == ([1, 4], ["none", "reference"])
+
+
+def test_prefix_caching_reaches_vllm_only_when_set() -> None:
+    """The live benchmarks turn prefix caching off in every arm (EngineSettings.prefix_caching says why); left
+    unset, vLLM's default stands."""
+    from dcut.settings import EngineSettings
+    from dcut.vllm.engine import engine_kwargs
+
+    assert "enable_prefix_caching" not in engine_kwargs(EngineSettings())
+    assert engine_kwargs(EngineSettings(prefix_caching=False))["enable_prefix_caching"] is False
+    assert engine_kwargs(EngineSettings(method="none", draft=None, dcut=None,
+                                        prefix_caching=False))["enable_prefix_caching"] is False

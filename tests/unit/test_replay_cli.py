@@ -13,6 +13,7 @@ from dcut.cli import main
     (["replay", "--trace", "nowhere.npz"], "--trace and --costs go together"),
     (["replay", "--trace", "nowhere.npz", "--costs", "nowhere.json"], "nowhere"),
     (["replay", "--steps", "0"], "--steps"),
+    (["replay", "--context", "500"], "--context"),
     (["trace", "--out", "x", "--trace-widths", "0,3"], ">= 1"),
     (["trace", "--out", "x", "--trace-widths", "3,31"], "<= K"),
     (["compare", "--out", "x", "--modes", "none,fastest"], "unknown modes"),

@@ -77,6 +77,22 @@ def test_start_up_phases_per_replica():
                              "(compile ?, cost table ?; table from controller), first report 0.3 s")
 
 
+def test_per_request_acceptance_per_replica():
+    """The page's per-request acceptance chart reads each replica's histogram, by route, as it reported it."""
+    from dcut.speculation import AcceptanceHistogram
+
+    c = DCutController(ControllerSettings(stale_after_s=30), AutoscalingSettings())
+    h = AcceptanceHistogram()
+    for rate in (0.25, 0.95, None):
+        h.add("chat", rate)
+    c.report(report("a", None) | {"acceptance": h.model_dump()})
+    c.report(report("b", None))
+    shown = {r["replica_id"]: r["request_acceptance"] for r in c.status()["replicas"]}
+    assert shown["b"] is None
+    assert shown["a"]["counts"]["chat"][2] == shown["a"]["counts"]["chat"][9] == 1 and shown["a"]["unverified"] == {
+        "chat": 1}
+
+
 def test_mean_width():
     assert mean_width({}) is None
     assert mean_width({0: 2, 15: 2}) == 7.5
