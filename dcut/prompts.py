@@ -25,3 +25,23 @@ def load_prompts(path: str | Path) -> list[str]:
     if not lines:
         raise ValueError(f"no prompts in {path}")
     return lines
+
+
+def token_prompts(texts: list[str], tokenizer_file: str | Path, length: int, count: int) -> list[dict[str, list[int]]]:
+    """``count`` prompts of exactly ``length`` tokens (vLLM's ``{"prompt_token_ids": ...}``), cut from ``texts``
+    tokenized one after another and cycled, each starting where the last ended: a context length set exactly,
+    whatever the prompts' own lengths."""
+    from tokenizers import Tokenizer
+
+    if length < 1 or count < 1:
+        raise ValueError("length and count must be >= 1")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    stream = [t for text in texts for t in tokenizer.encode(text).ids]
+    if not stream:
+        raise ValueError("the prompts tokenize to nothing")
+    out = []
+    for i in range(count):
+        start = (i * length) % len(stream)
+        ids = (stream[start:] + stream * (length // len(stream) + 1))[:length]
+        out.append({"prompt_token_ids": ids})
+    return out

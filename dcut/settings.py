@@ -49,6 +49,8 @@ class DCutSettings(BaseModel):
     calibrate: bool = Field(True, description="Map raw confidence to observed acceptance per position, "
                             "learned online from verification (raw DFlash confidences can be far off: ECE "
                             "0.48-0.69 past position 3 for the Dense pair's drafter, 0.03-0.23 for the deep pair's).")
+    context_cost: bool = Field(True, description="Price every deciding verify cost at the batch's mean context "
+                               "(the cost table's context axis, dcut.context_cost); False: at the profiled context.")
     default_max_width: int | None = Field(None, ge=0, description="Drafts per step a request may be given "
                                           "when it does not say (its `speculation` field, dcut.speculation): "
                                           "None: K; 0: requests decode plainly unless they ask for speculation.")

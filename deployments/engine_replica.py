@@ -31,7 +31,7 @@ from dcut import telemetry
 from dcut.cost_table import CostTable, cached_table_path
 from dcut.settings import EngineSettings
 from deployments.engine import Engine
-from deployments.metrics import ReplicaMetrics
+from deployments.ray_metrics import ReplicaMetrics
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport, StartupPhases
 from deployments.settings import EngineReplicaSettings
 

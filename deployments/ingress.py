@@ -28,7 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments import limits, status_page
-from deployments.metrics import IngressMetrics
+from deployments.ray_metrics import IngressMetrics
 from deployments.settings import IngressSettings
 
 logger = logging.getLogger("ray.serve")

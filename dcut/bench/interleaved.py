@@ -25,7 +25,7 @@ from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mo
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
-COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0")
+COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
 MIN_PROMPTS = 8
 BOOTSTRAP = 2000
 
@@ -42,7 +42,8 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     """``none`` (no speculation: no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter,
     synchronous scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every
     draft verified: D-Cut in mode full), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``, every draft
-    verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor); all built by
+    verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor), ``joint-blind``
+    (joint deciding at the profiled context, not the batch's: what the context axis changes); all built by
     ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut sweep`` builds them."""
     arms = []
     for mode in modes:
@@ -52,6 +53,10 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
             s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [0]})})
+        elif mode == "joint-blind":
+            s = settings_for_mode("joint", base)
+            assert s.dcut is not None
+            s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"context_cost": False})})
         elif mode == "none-sync":
             s = settings_for_mode("none", base).model_copy(update={"async_scheduling": False})
         elif mode in ("none", "full", "joint"):
@@ -78,7 +83,7 @@ def verdict(low: float, high: float) -> str:
     return "within noise"
 
 
-def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list[str], max_tokens: int,
+def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list, max_tokens: int,
             repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0) -> dict[str, Any]:
     """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
     from vllm import LLM, SamplingParams
@@ -135,7 +140,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
             "cells": cells, "comparisons": comparisons, "runs": runs}
 
 
-def _decode(llm: Any, batch: list[str], bs: int, params: Any) -> list[list[int]]:
+def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
     """``batch`` decoded ``bs`` prompts at a time; every request's token ids, in order."""
     out = []
     for start in range(0, len(batch), bs):

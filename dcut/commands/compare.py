@@ -9,9 +9,9 @@ from pathlib import Path
 from dcut.bench.interleaved import COMPARE_MODES
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
-from dcut.prompts import DEFAULT_PROMPTS
+from dcut.prompts import DEFAULT_PROMPTS, token_prompts
 
-HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0: medians, 95% intervals, verdicts."
+HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0/joint-blind: medians, 95% intervals, verdicts."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="vLLM dynamic speculation for mode dynamic, e.g. '1-1:15,2-4:7,5-64:3' (bs range: K)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="every prompt exactly this many tokens (cut from --prompts with the target's tokenizer): "
+                        "a context length set exactly; default: the prompts as they are")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
     parser.add_argument("--out", required=True, help="folder for compare.json and compare.md")
@@ -37,7 +40,14 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 2 or args.max_tokens < 1:
         raise CommandError("--repeats must be >= 2 and --max-tokens positive")
     prompts, base = prompts_and_engine(args)
+    if args.prompt_tokens is not None:
+        if not 1 <= args.prompt_tokens <= base.max_model_len - args.max_tokens:
+            raise CommandError(f"--prompt-tokens must be 1..max_model_len - max_tokens "
+                               f"({base.max_model_len - args.max_tokens})")
+        prompts = token_prompts(prompts, Path(base.model) / "tokenizer.json", args.prompt_tokens,
+                                max(64, len(prompts)))
     record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed)
+    record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(record, indent=1) + "\n")

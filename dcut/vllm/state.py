@@ -39,7 +39,7 @@ from dcut.snapshot import CostSource
 from dcut.speculation import RequestSpeculation
 from dcut.telemetry import StepRecord, StepWindow
 from dcut.trace import TraceWriter
-from dcut.vllm import metrics
+from dcut.vllm import prometheus
 from dcut.vllm.engine import additional_settings
 from dcut.vllm.runner_knowledge import RunnerKnowledge
 from dcut.vllm.step_records import Cycle, LastDrafts, Pending, Verified
@@ -348,7 +348,7 @@ class RunnerDCut(RunnerKnowledge):
         )
         self._verify_ms = self._draft_ms = None
         self.window.add(record)
-        metrics.observe(record, self.fingerprint.model)
+        prometheus.observe(record, self.fingerprint.model)
         if time.monotonic() - self._last_log >= LOG_INTERVAL_S:
             self._last_log = time.monotonic()
             self._log_summary()

@@ -96,7 +96,8 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
             return drafts
         req_ids = list(self.input_batch.req_ids)
         context = self.input_batch.num_tokens_no_spec[:len(req_ids)]  # each request's tokens so far (numpy)
-        state.context = float(context.mean()) if len(req_ids) else None  # every cost lookup of the step prices it
+        # every cost lookup of the step prices the batch's mean context (unless told to decide at the profiled one)
+        state.context = float(context.mean()) if len(req_ids) and state.settings.context_cost else None
         caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests))
         width = state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule)
         width = _agreed(self, min(width, max(caps, default=width)))  # never wider than the batch's largest cap

@@ -80,3 +80,21 @@ def test_prefix_caching_reaches_vllm_only_when_set() -> None:
     assert engine_kwargs(EngineSettings(prefix_caching=False))["enable_prefix_caching"] is False
     assert engine_kwargs(EngineSettings(method="none", draft=None, dcut=None,
                                         prefix_caching=False))["enable_prefix_caching"] is False
+
+
+def test_token_prompts_have_exactly_the_length_asked() -> None:
+    from dcut.prompts import load_prompts, token_prompts
+
+    prompts = token_prompts(load_prompts("models/heldout_prompts.jsonl"), "models/deep/tokenizer.json", 1000, 70)
+    assert len(prompts) == 70 and {len(p["prompt_token_ids"]) for p in prompts} == {1000}
+    assert prompts[0]["prompt_token_ids"] != prompts[1]["prompt_token_ids"]  # each starts where the last ended
+    with pytest.raises(ValueError):
+        token_prompts(["x"], "models/deep/tokenizer.json", 0, 1)
+
+
+def test_compare_refuses_prompts_longer_than_the_context_allows(capsys) -> None:
+    from dcut.cli import main
+
+    assert main(["compare", "--out", "/tmp/never", "--modes", "none,joint", "--prompt-tokens", "1000",
+                 "--max-tokens", "128"]) == 2
+    assert "--prompt-tokens must be 1..max_model_len - max_tokens (896)" in capsys.readouterr().err
