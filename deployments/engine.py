@@ -57,7 +57,6 @@ class Engine(ABC):
         self._throughput = Throughput()
         self.acceptance = AcceptanceHistogram()  # per-request acceptance of the responses served, by route
         self.on_speculation: Callable[[str, float | None], None] | None = None  # the replica's metrics
-        self.compile_s: float | None = None  # set by ``start`` where the engine knows how long it compiled
 
     @classmethod
     def import_library(cls) -> None:

@@ -130,8 +130,8 @@ class EngineReplica:
 
     def _startup_phases(self, marks: dict[str, float]) -> StartupPhases:
         """The phases between the constructor's wall-clock marks; the first report's comes with its answer
-        (``_first_report_accepted``). Where the engine's compile and D-Cut's cost-table seconds come from: the
-        engine's own figure, else the D-Cut snapshot's (``compile_s``/``cost_table_s``, once the plugin has them)."""
+        (``_first_report_accepted``). The compile and cost-table seconds are the D-Cut snapshot's (the plugin reads
+        them in the engine core, the only process that knows them)."""
         names = ["process", "constructor", "import", "fingerprint", "cost_offer", "ready"]
         gaps = [max(0.0, marks[b] - marks[a]) for a, b in zip(names, names[1:], strict=False)]
         snap = self._snapshot
@@ -141,11 +141,10 @@ class EngineReplica:
             source = "controller"
         else:
             source = None if snap.cost_source == "pending" else snap.cost_source
-        compile_s = self.engine.compile_s if self.engine.compile_s is not None else getattr(snap, "compile_s", None)
         return StartupPhases(
             process_started_at=marks["process"], process_s=gaps[0],
             import_s=gaps[1], fingerprint_s=gaps[2], cost_offer_s=gaps[3], engine_init_s=gaps[4],
-            compile_s=compile_s, cost_table_s=getattr(snap, "cost_table_s", None), cost_table_source=source)
+            compile_s=snap and snap.compile_s, cost_table_s=snap and snap.cost_table_s, cost_table_source=source)
 
     def _first_report_accepted(self, at: float) -> None:
         """The controller took this replica's first report at ``at`` (unix time): the start is complete."""

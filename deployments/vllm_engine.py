@@ -87,7 +87,6 @@ class VLLMEngine(Engine):
         self._models = state.openai_serving_models
         self._completion = state.openai_serving_completion
         self._chat = state.openai_serving_chat
-        self.compile_s = compile_seconds(self.engine)
 
     def _check_prompt(self, prompt: Any) -> None:
         """Refuse a prompt over ``max_prompt_tokens`` (a 400 from vLLM's serving layer, not an engine fault)."""
@@ -274,16 +273,6 @@ class VLLMEngine(Engine):
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-
-
-def compile_seconds(engine: Any) -> float | None:
-    """vLLM's compile seconds (``compilation_config.compilation_time``) where this process can read them, else None.
-
-    An ``AsyncLLM``'s engine core always runs in a process of its own (vLLM 0.32 has no in-process async engine
-    core; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` only keeps the workers inside that process): the core fills in the
-    figure on its copy of the config, and the copy here stays 0.0, read as unknown."""
-    seconds = engine.vllm_config.compilation_config.compilation_time
-    return seconds if seconds > 0 else None
 
 
 def client_error(e: Exception) -> dict | None:

@@ -11,7 +11,7 @@ engine. Per instance (a test reaches the engine through its replica, ``replica.e
 ``die_before_first`` and ``die_after_chunks`` raise `ActorDiedError` as a dead replica does for the ingress,
 ``back_pressure`` raises `BackPressureError` as a full deployment does, ``healthy = False`` fails the health check,
 ``token_delay_s`` slows generation, ``snapshot_delay_s`` makes D-Cut's state slow to read; a subclass's
-``start_delay_s`` makes a slow start, half of it reported as compiling (``compile_s``).
+``start_delay_s`` makes a slow start, half of it reported as compiling (its snapshot's ``compile_s``).
 
 D-Cut's state is synthetic: the given cost table (``settings.dcut.cost_table``, source "given") or a made-up
 profile ("profiled"); throughput estimates from it once a request ran; a learned state given at start
@@ -91,7 +91,7 @@ class MockEngine(Engine):
 
     async def start(self) -> None:
         await asyncio.sleep(self.start_delay_s)
-        self.compile_s = self.start_delay_s / 2 if self.start_delay_s else None  # half a slow start "compiles"
+        self._compile_s = self.start_delay_s / 2 if self.start_delay_s else None  # half a slow start "compiles"
         dcut = self.settings.dcut
         if dcut is not None:
             fp = self._fingerprint(self.settings)
@@ -200,7 +200,7 @@ class MockEngine(Engine):
             settings=dcut, fingerprint=self.table.fingerprint, cost_source=self.cost_source,
             cost_path=dcut.cost_table, steps=steps, window=WindowSummary(steps=min(steps, 100)),
             overhead=Overhead(per_step_ms=1.0, per_token_ms=0.01), cost_table=self.table.to_json(),
-            estimates=self._estimates() if steps else [], learned=self.learned_state())
+            estimates=self._estimates() if steps else [], learned=self.learned_state(), compile_s=self._compile_s)
 
     def learned_state(self) -> LearnedState | None:
         """What this engine reports as learned: the state it started from, else a made-up one once it generated."""
