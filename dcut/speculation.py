@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -132,12 +132,11 @@ class RequestSpeculation:
 
 
 def merged(usages: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One response's ``usage.speculation``: its requests' (choices') counts summed."""
-    keys = ("steps", "drafted_tokens", "verified_tokens", "accepted_tokens")
-    total = {k: sum(int(u.get(k) or 0) for u in usages.values()) for k in keys}
-    total["acceptance_rate"] = (round(total["accepted_tokens"] / total["verified_tokens"], 4)
-                                if total["verified_tokens"] else None)
-    return total
+    """One response's ``usage.speculation``: its requests' (choices') counts summed, the rate to 4 places."""
+    total = SpeculationUsage(**{f.name: sum(int(u.get(f.name) or 0) for u in usages.values())
+                                for f in fields(SpeculationUsage)})
+    rate = total.acceptance_rate
+    return {**asdict(total), "acceptance_rate": None if rate is None else round(rate, 4)}
 
 
 ACCEPTANCE_BUCKETS = 10  # per-request acceptance rate in tenths: [0, 0.1), ..., [0.9, 1.0]
