@@ -17,6 +17,8 @@ from torch import Tensor
 
 from dcut.learned import CalibrationState
 
+FLUSH_STEPS = 8  # steps whose outcomes ``observe`` holds before counting them together (one update, not eight)
+
 
 class Calibrator:
     """Maps raw confidence to the observed conditional acceptance probability, per position.
@@ -40,6 +42,30 @@ class Calibrator:
         self.cal_sum = torch.zeros(k, bins, dtype=torch.float64)
         self._luts: dict[torch.device, tuple[Tensor, Tensor]] = {}
         self._cell_base: dict[tuple[int, torch.device], Tensor] = {}
+        self._held: list[tuple[Tensor, Tensor, Tensor]] = []  # outcomes ``observe`` has not counted yet
+
+    def observe(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
+        """``update``, deferred: held until ``FLUSH_STEPS`` steps have come, then counted in one update.
+
+        Counting costs a few dozen small tensor operations whatever the rows; once per step it was a
+        measurable share of a CPU engine's step (profiled: 0.4 ms of 19 ms at bs 8). The mapping moves
+        slowly, so deciding on one a few steps old changes nothing a step can see. Reading the counts
+        (``state``, ``reliability``) counts what is held first."""
+        self._held.append((log_conf[:, : self.k].detach().to("cpu", torch.float64),
+                           proposed_depths.detach().to("cpu", torch.int64),
+                           accepted.detach().to("cpu", torch.int64)))
+        if len(self._held) >= FLUSH_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count every held outcome (rows of narrower blocks padded with drafts of confidence 0, never
+        reached: a row verified only its own drafts)."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        width = max(c.shape[1] for c, _, _ in held)
+        conf = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-torch.inf) for c, _, _ in held])
+        self.update(conf, torch.cat([p for _, p, _ in held]), torch.cat([a for _, _, a in held]))
 
     def update(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
         """Count one step's outcomes.
@@ -82,6 +108,7 @@ class Calibrator:
 
     def state(self) -> CalibrationState:
         """The counts, for ``dcut.learned`` (a new replica starts from them)."""
+        self.flush()
         return CalibrationState(**{f: getattr(self, f).tolist() for f in CalibrationState.model_fields})
 
     def load(self, state: CalibrationState) -> None:
@@ -92,6 +119,7 @@ class Calibrator:
                 raise ValueError(f"calibration state of shape {tuple(values.shape)}, "
                                  f"expected {tuple(self.count.shape)}")
             setattr(self, f, values)
+        self._held = []
         self._luts.clear()
 
     def reliability(self) -> dict[str, Any]:
@@ -100,6 +128,7 @@ class Calibrator:
         ECE = sum over bins of (bin share) x |acceptance rate - mean confidence|. The calibrated
         ECE uses predictions made before each outcome was counted, so it is out-of-sample.
         """
+        self.flush()
         return {
             "observations": self.count.sum(1).long().tolist(),
             "ece_raw": _ece(self.count, self.accepted, self.raw_sum),

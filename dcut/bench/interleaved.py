@@ -7,13 +7,24 @@ alike. Each cell is the median of its repeats with a 95% bootstrap interval; eac
 with ``joint`` by the paired ratio of its repeats (same round, same prompts), and the verdict is
 faster or slower only where the ratio's interval excludes 1.
 
-A cell at batch size b decodes ``max(b, 8)`` prompts, b at a time (small batches see more than one
-prompt), ``max_tokens`` greedy tokens each, after one untimed warm-up of the same shape.
+Two kinds of traffic (``TRAFFIC``):
+
+- ``steady`` (the default): concurrency held at b, as a server under load holds it. ``waves * b`` requests
+  (at least ``MIN_PROMPTS``), a new one admitted the moment one finishes; the cell's rate is the tokens
+  emitted from the first request's end to the last admission, over that time. What a closed batch adds on
+  both sides (every prompt prefilled at once, then a batch draining to one request) is outside the window;
+  the prefill of every request admitted inside it is in it, mixed with decoding as it is when serving.
+- ``batch``: ``max(b, 8)`` prompts decoded b at a time, each batch to its last token; the rate is all
+  tokens over the wall time. A fixed batch drains: with speculation requests finish at different steps
+  and the last ones run at a batch size far below b (a ramp and a tail that steady traffic does not have).
+
+Every cell runs after one untimed warm-up of the same shape (a closed batch).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +36,10 @@ from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mo
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
+TRAFFIC = ("steady", "batch")
+WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
+PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 MIN_PROMPTS = 8
 BOOTSTRAP = 2000
 
@@ -42,17 +56,18 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     """``none`` (no speculation: no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter,
     synchronous scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every
     draft verified: D-Cut in mode full), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``, every draft
-    verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor), ``joint-blind``
-    (joint deciding at the profiled context, not the batch's: what the context axis changes); all built by
-    ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut sweep`` builds them."""
+    verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor; ``joint-wN`` pins
+    width N), ``joint-blind`` (joint deciding at the profiled context, not the batch's: what the context axis
+    changes); all built by ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut
+    sweep`` builds them."""
     arms = []
     for mode in modes:
         if mode == "dynamic":
             s = dynamic_settings(base, schedule or [])
-        elif mode == "joint-w0":
+        elif (pinned := PINNED.fullmatch(mode)) is not None:
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
-            s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [0]})})
+            s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [int(pinned.group(1))]})})
         elif mode == "joint-blind":
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
@@ -84,9 +99,13 @@ def verdict(low: float, high: float) -> str:
 
 
 def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list, max_tokens: int,
-            repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0) -> dict[str, Any]:
+            repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0,
+            traffic: str = "steady") -> dict[str, Any]:
     """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
     from vllm import LLM, SamplingParams
+
+    if traffic not in TRAFFIC:
+        raise ValueError(f"traffic {traffic!r}: choose from {', '.join(TRAFFIC)}")
 
     from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs
@@ -115,12 +134,15 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
             order_rng.shuffle(order)
             for position, arm in enumerate(order):
                 llm = engines[arm.name][0]
-                start = time.perf_counter()
-                token_ids = _decode(llm, batch, bs, params)
-                wall = time.perf_counter() - start
+                if traffic == "steady":
+                    token_ids, tokens, wall = _steady(llm, prompts, bs, max(WAVES * bs, MIN_PROMPTS), params)
+                else:
+                    start = time.perf_counter()
+                    token_ids = _decode(llm, batch, bs, params)
+                    wall = time.perf_counter() - start
+                    tokens = sum(map(len, token_ids))
                 runs.append({"mode": arm.name, "bs": bs, "repeat": r, "position": position, "wall_s": wall,
-                             "tokens_per_s": sum(map(len, token_ids)) / wall,
-                             "token_ids_sha256": token_ids_sha256(token_ids)})
+                             "tokens_per_s": tokens / wall, "token_ids_sha256": token_ids_sha256(token_ids)})
                 bar.update()
         for arm in arms:
             if arm.settings.dcut is not None and arm.settings.method != "none":
@@ -136,6 +158,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
         c.update(stats.get((c["mode"], c["bs"]), {}))
     return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
+            "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
             "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
             "cells": cells, "comparisons": comparisons, "runs": runs}
 
@@ -146,6 +169,49 @@ def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
     for start in range(0, len(batch), bs):
         out += [list(o.outputs[0].token_ids) for o in llm.generate(batch[start:start + bs], params, use_tqdm=False)]
     return out
+
+
+def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
+    """``requests`` prompts (cycling ``prompts``) with ``bs`` in flight, one admitted as one finishes: every
+    request's token ids in order, and the tokens emitted and seconds from the first finish to the last
+    admission (the window of steady concurrency; ``dcut.bench.interleaved`` says why)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    delta = params.clone()
+    delta.output_kind = RequestOutputKind.DELTA
+    out: list[list[int]] = [[] for _ in range(requests)]
+    admitted = 0
+
+    def admit() -> None:
+        nonlocal admitted
+        engine.add_request(f"steady-{admitted}", prompts[admitted % len(prompts)], delta)
+        admitted += 1
+
+    while admitted < min(bs, requests):
+        admit()
+    start = end = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        emitted = finished = 0
+        for o in engine.step():
+            ids = o.outputs[0].token_ids if o.outputs else []
+            out[int(o.request_id.split("-")[1])] += ids
+            emitted += len(ids)
+            finished += o.finished
+        now = time.perf_counter()
+        if start is not None and end is None:
+            tokens += emitted
+        for _ in range(finished):
+            if start is None:
+                start = now
+            if admitted < requests:
+                admit()
+            elif end is None:
+                end = now
+    if start is None or end is None or end <= start:
+        raise RuntimeError(f"no window of steady concurrency: {requests} requests at bs {bs}")
+    return out, tokens, end - start
 
 
 def _summaries(runs: list[dict[str, Any]], arms: list[Arm], batch_sizes: list[int],
@@ -196,7 +262,8 @@ def markdown(record: dict[str, Any]) -> str:
             f"{comp[(m, b)]['verdict']}" for b in sizes) + " |")
     best = []
     for b in sizes:
-        others = [cell[(m, b)]["tokens_per_s"] for m in modes if m not in ("joint", "joint-w0", "none-sync")]
+        others = [cell[(m, b)]["tokens_per_s"] for m in modes
+                  if m not in ("joint", "none-sync") and not PINNED.fullmatch(m)]  # diagnostics, not rivals
         if others and ("joint", b) in cell:
             best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
     if best:

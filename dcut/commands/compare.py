@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dcut.bench.interleaved import COMPARE_MODES
+from dcut.bench.interleaved import COMPARE_MODES, PINNED, TRAFFIC
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
 from dcut.prompts import DEFAULT_PROMPTS, token_prompts
@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
     parser.add_argument("--modes", default="none,full,dynamic,joint,joint-w0",
-                        help=f"comma-separated, from {', '.join(COMPARE_MODES)}")
+                        help=f"comma-separated, from {', '.join(COMPARE_MODES)}, or joint-wN (joint pinned to width N)")
     parser.add_argument("--dynamic-schedule", type=parse_schedule,
                         help="vLLM dynamic speculation for mode dynamic, e.g. '1-1:15,2-4:7,5-64:3' (bs range: K)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
@@ -26,6 +26,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None,
                         help="every prompt exactly this many tokens (cut from --prompts with the target's tokenizer): "
                         "a context length set exactly; default: the prompts as they are")
+    parser.add_argument("--traffic", choices=TRAFFIC, default="steady",
+                        help="steady: concurrency held at each batch size, one request admitted as one finishes, rate "
+                        "over that window (a server under load); batch: closed batches, each to its last token "
+                        "(prefill and a draining tail in every cell)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
     parser.add_argument("--out", required=True, help="folder for compare.json and compare.md")
@@ -34,7 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dcut.bench.interleaved import compare, markdown
 
-    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES)
+    pinned = tuple(m.strip() for m in args.modes.split(",") if PINNED.fullmatch(m.strip()))
+    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES + pinned)
     if "dynamic" in modes and not args.dynamic_schedule:
         raise CommandError("mode dynamic needs --dynamic-schedule")
     if args.repeats < 2 or args.max_tokens < 1:
@@ -46,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
                                f"({base.max_model_len - args.max_tokens})")
         prompts = token_prompts(prompts, Path(base.model) / "tokenizer.json", args.prompt_tokens,
                                 max(64, len(prompts)))
-    record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed)
+    record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed,
+                     args.traffic)
     record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,19 +35,30 @@ def _metrics() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _children(model_name: str) -> dict[str, Any]:
+    """The metrics labelled with ``model_name`` (a label lookup per step and metric cost more than the counting)."""
+    return {name: metric.labels(model_name) for name, metric in _metrics().items() if name != "accepted_pos"}
+
+
+@functools.cache
+def _position(model_name: str, position: int) -> Any:
+    return _metrics()["accepted_pos"].labels(model_name, str(position))
+
+
 def observe(record: StepRecord, model_name: str) -> None:
     """Count one step."""
-    m = _metrics()
-    m["steps"].labels(model_name).inc()
-    m["proposed"].labels(model_name).inc(record.proposed)
-    m["kept"].labels(model_name).inc(record.kept)
-    m["verify"].labels(model_name).inc(record.batch_size + sum(record.kept_per_position))
-    m["accepted"].labels(model_name).inc(record.accepted)
+    m = _children(model_name)
+    m["steps"].inc()
+    m["proposed"].inc(record.proposed)
+    m["kept"].inc(record.kept)
+    m["verify"].inc(record.batch_size + sum(record.kept_per_position))
+    m["accepted"].inc(record.accepted)
     for pos, n in enumerate(record.accepted_per_position, 1):
         if n:
-            m["accepted_pos"].labels(model_name, str(pos)).inc(n)
+            _position(model_name, pos).inc(n)
     if record.proposed:
-        m["ratio"].labels(model_name).observe(record.ratio)
-        m["budget"].labels(model_name).observe(record.budget or 0)
+        m["ratio"].observe(record.ratio)
+        m["budget"].observe(record.budget or 0)
     if record.selection_us:
-        m["selection"].labels(model_name).observe(record.selection_us / 1e6)
+        m["selection"].observe(record.selection_us / 1e6)

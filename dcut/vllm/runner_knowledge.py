@@ -23,6 +23,7 @@ from dcut.overhead import EngineOverhead
 from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource, DCutSnapshot, Overhead, ThroughputEstimate, Totals, WindowSummary
 from dcut.telemetry import StepWindow, throughput_by_batch_size
+from dcut.vllm.step_records import Decided
 from dcut.width import RealizedRates, WidthStats, choose_width, width_utilities, widths_for
 
 logger = logging.getLogger("vllm.dcut")
@@ -40,6 +41,7 @@ class RunnerKnowledge:
     width_stats: WidthStats
     realized: RealizedRates
     calibrators: dict[int, Calibrator]
+    _decided: dict[int, Decided]
     pooled_calibrator: Calibrator | None
     overhead: EngineOverhead
     cost_table: CostTable | None
@@ -125,6 +127,7 @@ class RunnerKnowledge:
             self.pooled_calibrator.load(state.pooled_calibration)
         self.realized.load(state.realized)
         self.overhead.per_step_ms, self.overhead.per_token_ms = state.overhead_ms
+        self._decided.clear()
 
     # -- reading ---------------------------------------------------------------------------
     def estimates(self) -> list[ThroughputEstimate]:

@@ -42,7 +42,7 @@ from dcut.trace import TraceWriter
 from dcut.vllm import prometheus
 from dcut.vllm.engine import additional_settings
 from dcut.vllm.runner_knowledge import RunnerKnowledge
-from dcut.vllm.step_records import Cycle, LastDrafts, Pending, Verified
+from dcut.vllm.step_records import Cycle, Decided, LastDrafts, Pending, Verified
 from dcut.width import (
     OPTIMISM,
     Explorer,
@@ -60,6 +60,10 @@ logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
 NEVER = -1.0e4  # a log-confidence no budget keeps (exp underflows to 0), without -inf arithmetic
+# Steps a width decision holds at its batch size before it is taken again. What it rests on (acceptance per width,
+# measured rates, costs) moves over hundreds of steps, and taking it costs about a millisecond of Python on a
+# CPU engine (profiled: 0.8 of a 19 ms step at bs 8), more than D-Cut's selection itself.
+REDECIDE_STEPS = 8
 POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before it replaces the pooled one
 
 
@@ -111,6 +115,8 @@ class RunnerDCut(RunnerKnowledge):
         self.width = k  # the width drafted this step
         self.probe = False
         self._held: int | None = None  # the width hysteresis holds on to
+        self._decided: dict[int, Decided] = {}  # per batch size: the last decision, taken again for a few steps
+        self._choices = 0  # widths chosen so far (the clock of ``_decided``)
         self._last_log = time.monotonic()
         self._gap_ms: float | None = None  # the engine's time between the last drafting pass and this step
         self._zero_cycles = 0  # width-0 cycles whose drafter writes wait in the catch-up stash
@@ -155,33 +161,45 @@ class RunnerDCut(RunnerKnowledge):
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
             return self.width
-        bucket, verify_ms = table.covering(bs), functools.partial(table.lookup_many, context=self.context)
-        model = width_utilities(bs, self.widths, self.width_stats.survival(), verify_ms, table.draft_costs,
-                                self.overhead.ms)
-        chosen = None if bucket is None else choose_width(self.realized.apply(bucket, model), self._held,
-                                                          self.settings.width_hysteresis,
-                                                          lambda w: self.realized.noise(bucket, w))
-        if bucket is None or chosen is None:
+        self._choices += 1
+        decision = self._decided.get(bs)
+        if decision is None or self._choices - decision.step >= REDECIDE_STEPS:
+            decision = self._decided[bs] = self._decide(bs, table)
+        chosen, bucket = decision.chosen, decision.bucket
+        if chosen is None or bucket is None:
             # Beyond what was measured: the cheapest step there is, never the dearest (it used to draft
             # everything here, and at bs 64 a width pinned to 0 drafted full blocks on 42% of its steps).
             self.width = self.widths[0]
             return self.width
-        self._held = chosen.width
 
         def samples(w: int) -> float:  # fresh requests measured at w
             return self.realized.fresh(bucket, w) * bucket
 
-        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), verify_ms,
-                                  table.draft_costs, self.overhead.ms)
-        step_ms = {c.width: c.step_ms for c in hopeful if c is not None}
-        explore = self.explorer.pick(chosen, self.widths, self.realized.optimistic(bucket, hopeful), samples,
-                                     step_ms.get)
+        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, samples, decision.step_ms.get)
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width
         probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples)
         self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
         return self.width
+
+    def _decide(self, bs: int, table: CostTable) -> Decided:
+        """The width for steps of ``bs`` (None beyond the cost table), and what exploration weighs against it:
+        each width's optimistic tokens/s and estimated step time (``REDECIDE_STEPS`` says why it is held)."""
+        bucket, verify_ms = table.covering(bs), functools.partial(table.lookup_many, context=self.context)
+        if bucket is None:
+            return Decided(self._choices, None, None)
+        model = width_utilities(bs, self.widths, self.width_stats.survival(), verify_ms, table.draft_costs,
+                                self.overhead.ms)
+        chosen = choose_width(self.realized.apply(bucket, model), self._held, self.settings.width_hysteresis,
+                              lambda w: self.realized.noise(bucket, w))
+        if chosen is None:
+            return Decided(self._choices, bucket, None)
+        self._held = chosen.width
+        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), verify_ms,
+                                  table.draft_costs, self.overhead.ms)
+        return Decided(self._choices, bucket, chosen, self.realized.optimistic(bucket, hopeful),
+                       {c.width: c.step_ms for c in hopeful if c is not None})
 
     def on_flush(self, ms: float) -> None:
         """The width-0 steps' deferred drafter writes (``dcut.vllm.catch_up``) were just paid, inside this
@@ -390,4 +408,4 @@ class RunnerDCut(RunnerKnowledge):
         mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:
-                c.update(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
+                c.observe(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from dcut.selection import Decision
+from dcut.width import WidthChoice
 
 
 @dataclass
@@ -50,3 +51,16 @@ class LastDrafts:
     index: dict[str, int]
     log_conf: Tensor  # [bs, width] on the host
     width: int
+
+
+@dataclass
+class Decided:
+    """A width decision for one batch size (mode joint), held for a few steps: taken at choice ``step``, the
+    covering bucket (None: beyond the cost table), the chosen width (None: no cost known) and, for exploration,
+    each candidate width's optimistic tokens/s and estimated step time."""
+
+    step: int
+    bucket: int | None
+    chosen: WidthChoice | None
+    optimistic: list[float | None] = field(default_factory=list)
+    step_ms: dict[int, float] = field(default_factory=dict)

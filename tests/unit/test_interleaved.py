@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dcut.bench.generate import run_mode, settings_for_mode
-from dcut.bench.interleaved import _summaries, arms_for, bootstrap_median, markdown, verdict
+from dcut.bench.interleaved import _steady, _summaries, arms_for, bootstrap_median, markdown, verdict
 from dcut.settings import EngineSettings
 
 
@@ -33,6 +33,7 @@ def test_arms_build_what_each_mode_means():
     assert arms["dynamic"].spec_schedule == [(1, 4, 7), (5, 64, 3)] and arms["dynamic"].num_speculative_tokens == 7
     assert arms["dynamic"].dcut.mode == "full"  # vLLM's dynamic K, every draft verified as in full
     assert arms["joint"].dcut.mode == "joint" and arms["joint-w0"].dcut.widths == [0]
+    assert {a.name: a.settings for a in arms_for(base, ["joint-w3"], None)}["joint-w3"].dcut.widths == [3]
     with pytest.raises(ValueError, match="schedule"):
         arms_for(base, ["dynamic"], None)
     with pytest.raises(ValueError, match="unknown mode"):
@@ -84,3 +85,60 @@ def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
               "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
               "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
     assert comparisons == [] and "no speculation (`none`), medians: bs 8: 0.900" in markdown(record)
+
+
+class _FakeEngine:
+    """An engine whose request i (of prompt ``p``) emits ``speed[p]`` tokens a step until it has ``length``; every
+    step takes one tick of a fake clock. What ``_steady`` reads of vLLM's ``LLMEngine``, and nothing more."""
+
+    def __init__(self, speed: dict[str, int], length: int, clock: list[float]) -> None:
+        self.speed, self.length, self.clock = speed, length, clock
+        self.running: dict[str, list] = {}
+        self.in_flight: list[int] = []
+
+    def add_request(self, request_id, prompt, params):
+        assert params.output_kind.name == "DELTA"
+        self.running[request_id] = [prompt, 0]
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        from types import SimpleNamespace
+
+        self.clock[0] += 1.0
+        self.in_flight.append(len(self.running))
+        outs = []
+        for rid, state in list(self.running.items()):
+            n = min(self.speed[state[0]], self.length - state[1])
+            state[1] += n
+            done = state[1] >= self.length
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=[len(rid)] * n)]))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+def test_steady_traffic_holds_the_batch_full_and_times_only_that_window(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    import dcut.bench.interleaved as interleaved
+
+    clock = [0.0]
+    monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
+    engine = _FakeEngine({"fast": 4, "slow": 1}, length=8, clock=clock)
+    prompts = ["fast", "slow"]
+    out, tokens, wall = _steady(SimpleNamespace(llm_engine=engine), prompts, 2, 6, SamplingParams(max_tokens=8))
+    assert [len(o) for o in out] == [8] * 6  # every request, in admission order, to its last token
+    # A fast request ends at tick 2, one more is admitted at once: two in flight until the last admission.
+    first_drain = engine.in_flight.index(1)
+    assert set(engine.in_flight[:first_drain]) == {2}
+    # The window runs from the first finish (tick 2) to the first finish with nothing left to admit (tick 12, when
+    # request 3 ends and only request 5 is left to drain); the tokens are those emitted in ticks 3..12.
+    assert (tokens, wall) == (32, 10.0)
+    with pytest.raises(RuntimeError, match="no window"):
+        _steady(SimpleNamespace(llm_engine=_FakeEngine({"fast": 4}, 8, clock)), ["fast"], 2, 2,
+                SamplingParams(max_tokens=8))
