@@ -171,6 +171,13 @@ def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
     return out
 
 
+def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
+    """``width_realized`` entries of bucket ``bs`` (keys ``"bucket/width"``): realized / predicted (cycles)."""
+    found = sorted((int(k.split("/")[1]), v) for k, v in width_realized.items() if k.split("/")[0] == str(bs))
+    return ", ".join(f"width {w}: {v['tokens_per_s']:.0f} / {v['predicted_tokens_per_s']:.0f} ({v['samples']:.0f})"
+                     for w, v in found)
+
+
 def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
     """``requests`` prompts (cycling ``prompts``) with ``bs`` in flight, one admitted as one finishes: every
     request's token ids in order, and the tokens emitted and seconds from the first finish to the last
@@ -277,7 +284,17 @@ def markdown(record: dict[str, Any]) -> str:
     widths = [f"bs {b}: {cell[('joint', b)].get('width_histogram')}" for b in sizes if ("joint", b) in cell]
     if widths:
         lines += ["", "`joint`'s drafted widths (steps per width, last window):", "", *[f"- {w}" for w in widths]]
+    realized = [f"- bs {b}: " + (_realized_at(cell[("joint", b)].get("width_realized") or {}, b) or "–")
+                for b in sizes if ("joint", b) in cell]
+    if realized:
+        lines += ["", "`joint` at each batch size's own bucket, per width: tokens/s realized / predicted "
+                  "(cycles measured), the engine's estimates after the cell:", "", *realized]
     m = record["machine"]
+    traffic = record.get("traffic", "batch")
+    lines += ["", f"Traffic: {traffic} (" + (
+        f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell; rate from the first "
+        f"request's end to the last admission" if traffic == "steady" else
+        "closed batches, each to its last token; rate over the wall time") + ")."]
     lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
               f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; engine start-up "
               f"{record['startup_s']} s."]

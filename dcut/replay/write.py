@@ -34,12 +34,17 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[
 
 
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
-    """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice."""
-    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle |", "|---|---|---|---|"]
+    """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice; what it predicted
+    against what it got; and from which measured step its width stayed the one it ends on (steps to converge)."""
+    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | joint: predicted / realized "
+             "tok/s | converged at step |", "|---|---|---|---|---|---|"]
     cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
     for b in summary["batch_sizes"]:
         j, o = cell[("joint", b)], cell[("oracle", b)]
-        lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} |")
+        predicted, got = j.get("predicted_tokens_per_s"), j["tokens_per_s"]
+        vs = "–" if predicted is None else f"{predicted:.0f} / {got:.0f} ({predicted / got:.2f})"
+        lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} | {vs} | "
+                     f"{j.get('converged_at_step', '–')} |")
     return "\n".join(lines) + "\n"
 
 

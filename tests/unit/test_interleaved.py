@@ -85,6 +85,22 @@ def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
               "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
               "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
     assert comparisons == [] and "no speculation (`none`), medians: bs 8: 0.900" in markdown(record)
+    assert "Traffic: batch (closed batches" in markdown(record)  # a record from before steady traffic
+
+
+def test_the_report_shows_predicted_beside_realized_at_each_cells_own_bucket_and_the_traffic():
+    runs = _runs({"none": [100.0, 101.0], "joint": [110.0, 111.0]})
+    arms = arms_for(EngineSettings(), ["none", "joint"], None)
+    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    cells[1]["width_realized"] = {"8/3": {"tokens_per_s": 1790.4, "predicted_tokens_per_s": 1829.0, "samples": 222},
+                                  "8/15": {"tokens_per_s": 2185.0, "predicted_tokens_per_s": 2156.0, "samples": 99},
+                                  "4/15": {"tokens_per_s": 1.0, "predicted_tokens_per_s": 2.0, "samples": 5}}
+    record = {"batch_sizes": [8], "modes": ["none", "joint"], "cells": cells, "comparisons": comparisons,
+              "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {}, "traffic": "steady",
+              "waves": 3, "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
+    text = markdown(record)
+    assert "- bs 8: width 3: 1790 / 1829 (222), width 15: 2185 / 2156 (99)" in text  # bucket 4 is another cell's
+    assert "Traffic: steady (concurrency held at the batch size, 3 waves" in text
 
 
 class _FakeEngine:
