@@ -62,7 +62,7 @@ LOG_INTERVAL_S = 10.0
 NEVER = -1.0e4  # a log-confidence no budget keeps (exp underflows to 0), without -inf arithmetic
 # Steps a width decision holds at its batch size before it is taken again. What it rests on (acceptance per width,
 # measured rates, costs) moves over hundreds of steps, and taking it costs about a millisecond of Python on a
-# CPU engine (profiled: 0.8 of a 19 ms step at bs 8), more than D-Cut's selection itself.
+# CPU engine (under cProfile: 0.8 ms of a 19 ms step at bs 8), more than D-Cut's selection itself.
 REDECIDE_STEPS = 8
 POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before it replaces the pooled one
 

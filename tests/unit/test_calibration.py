@@ -70,3 +70,16 @@ def test_calibrate_matches_host_reference() -> None:
     wider = torch.cat([lc, lc[:, :2]], dim=1)
     torch.testing.assert_close(cal.calibrate(wider)[:, 6:], lc[:, :2])
 
+
+
+def test_a_position_never_verified_is_mapped_as_the_deepest_one_that_was():
+    """An under-confident drafter: raw 0.3 everywhere, every draft accepted. Only positions 0-1 are ever verified;
+    position 2-3 drafts are calibrated as position 1's, not left at raw 0.3 (which would keep them cut forever)."""
+    cal = Calibrator(k=4, bins=5, min_count=8)
+    for _ in range(40):
+        cal.update(torch.full((4, 4), math.log(0.3)), torch.full((4,), 2), torch.full((4,), 2))
+    assert cal.count.sum(1).tolist() == [160, 160, 0, 0]
+    out = cal.calibrate(torch.full((1, 4), math.log(0.3))).exp()[0]
+    assert float(out[1]) > 0.9 and float(out[2]) == pytest.approx(float(out[1])) == pytest.approx(float(out[3]))
+    thin = Calibrator(k=4, bins=5, min_count=8)  # nothing verified anywhere: raw passes through
+    torch.testing.assert_close(thin.calibrate(torch.full((1, 4), math.log(0.3))), torch.full((1, 4), math.log(0.3)))
