@@ -102,10 +102,9 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
             repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0,
             traffic: str = "steady") -> dict[str, Any]:
     """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
-    from vllm import LLM, SamplingParams
-
     if traffic not in TRAFFIC:
         raise ValueError(f"traffic {traffic!r}: choose from {', '.join(TRAFFIC)}")
+    from vllm import LLM, SamplingParams
 
     from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs

@@ -38,6 +38,15 @@ class _Entry:
         """Rows still to be written."""
         return sum(n for r, n in zip(self.owners, self.counts, strict=True) if r not in self.gone)
 
+    def rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Hidden states (layers side by side), positions and slots of the rows still to be written."""
+        hidden = torch.cat(self.hidden, dim=-1)
+        if not self.gone:
+            return hidden, self.positions, self.slots
+        keep = torch.repeat_interleave(torch.tensor([r not in self.gone for r in self.owners]),
+                                       torch.tensor(self.counts)).to(self.slots.device)
+        return hidden[keep], self.positions[keep], self.slots[keep]
+
 
 class ContextStash:
     """Target hidden states of width-0 steps, waiting to become drafter K/V."""
@@ -71,8 +80,9 @@ class ContextStash:
         for e in self._entries:
             hit = req_ids.intersection(e.owners).difference(e.gone)
             if hit:
-                self.tokens -= sum(n for r, n in zip(e.owners, e.counts, strict=True) if r in hit)
+                before = e.live()
                 e.gone |= hit
+                self.tokens -= before - e.live()
         self._entries = [e for e in self._entries if len(e.gone) < len(e.owners)]
 
     def flush(self, drafter_model: Any) -> None:
@@ -80,16 +90,5 @@ class ContextStash:
         if not self.tokens:
             return
         entries, self._entries, self.tokens = self._entries, [], 0
-        hidden = torch.cat([_live(e, torch.cat(e.hidden, dim=-1)) for e in entries])
-        positions = torch.cat([_live(e, e.positions) for e in entries])
-        slots = torch.cat([_live(e, e.slots) for e in entries])
+        hidden, positions, slots = (torch.cat(parts) for parts in zip(*(e.rows() for e in entries), strict=True))
         drafter_model.precompute_and_store_context_kv(drafter_model.combine_hidden_states(hidden), positions, slots)
-
-
-def _live(entry: _Entry, rows: Tensor) -> Tensor:
-    """``rows`` (one per stashed token of ``entry``) without those of its dropped owners."""
-    if not entry.gone:
-        return rows
-    keep = torch.repeat_interleave(torch.tensor([r not in entry.gone for r in entry.owners]),
-                                   torch.tensor(entry.counts)).to(rows.device)
-    return rows[keep]
