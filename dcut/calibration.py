@@ -4,8 +4,10 @@ A drafter's softmax probability is not the probability that the target accepts t
 the gap differs by position. D-Cut ranks drafts across requests by these numbers, so a drafter
 that is over-confident at late positions makes it keep the wrong drafts. The calibrator counts,
 per (position, confidence bin), how often a draft that was actually reached was accepted, and
-maps a raw confidence to that rate (with a Beta prior centred on the raw value, so sparse bins
-stay close to raw).
+maps a raw confidence to that rate, smoothed in two levels: a bin's rate is shrunk towards the raw
+value scaled by its position's ratio of acceptances to raw confidence (how far off the drafter is there),
+and that ratio towards 1. A sparse bin thus keeps its rank among its position's drafts but is corrected
+by what its position shows; only a position nothing has verified keeps the raw value.
 """
 
 from __future__ import annotations
@@ -28,8 +30,15 @@ FLUSH_STEPS = 8  # steps whose outcomes ``observe`` holds before counting them t
 class Calibrator:
     """Maps raw confidence to the observed conditional acceptance probability, per position.
 
-    ``prior`` is the Beta prior's strength in pseudo-observations at the raw confidence;
-    bins with fewer than ``min_count`` observations are not used at all (raw passes through).
+    ``prior`` is the strength, in pseudo-observations, of each level's prior: a bin's rate is centred on raw
+    times its position's ratio (acceptances over summed raw confidence), that ratio on 1. Bins or positions
+    with fewer than ``min_count`` observations are not used (a bin takes the scaled raw value, a position
+    passes raw through).
+
+    Why two levels: a drafter's raw confidence can be far off (the MoE pair's deep drafts: raw about 0.05,
+    accepted 99% of the time). Centred on raw, every bin with few outcomes mapped to nearly raw, so a block
+    whose deep drafts fell in thin bins was priced far below what it delivered. Centred on the position's
+    rate instead, the thin low-confidence bins of a drafter that ranks its drafts well were priced above.
     """
 
     def __init__(self, k: int, bins: int = 10, prior: float = 4.0, min_count: int = 8) -> None:
@@ -106,7 +115,7 @@ class Calibrator:
         a, b = self._lut(log_conf.device)
         raw = _prob(log_conf[..., :k].float())
         cell = self._cells(k, log_conf.device) + self._bin(raw)
-        calibrated = (torch.take(a, cell) + torch.take(b, cell) * raw).log()
+        calibrated = (torch.take(a, cell) + torch.take(b, cell) * raw).log().clamp_(max=0.0)
         if k == log_conf.shape[-1]:
             return calibrated
         return torch.cat([calibrated, log_conf[..., k:].float()], dim=-1)
@@ -144,8 +153,9 @@ class Calibrator:
     def _bin(self, prob: Tensor) -> Tensor:
         return (prob * self.bins).long().clamp_(0, self.bins - 1)
 
-    def _rows(self) -> tuple[Tensor, Tensor]:
-        """Observations and acceptances per (position, bin) to calibrate with: a position verified fewer than
+    def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with: a position
+        verified fewer than
         ``BORROW_BELOW`` times takes the counts of the deepest earlier position verified more (why: above)."""
         source, last = list(range(self.k)), None
         for t, n in enumerate(self.count.sum(1).tolist()):
@@ -153,20 +163,28 @@ class Calibrator:
                 last = t
             elif last is not None:
                 source[t] = last
-        return self.count[source], self.accepted[source]
+        return self.count[source], self.accepted[source], self.raw_sum[source]
 
     def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """``(a, b)`` per (position, bin), flattened: thin bins pass raw through (a=0, b=1)."""
+        """``(a, b)`` per (position, bin), flattened, with ``calibrated = a + b * raw``: both levels of smoothing
+        are linear in raw (``_calibrated_prob`` is the same formula, written out)."""
         found = self._luts.get(device)
         if found is None:
-            count, accepted = self._rows()
-            n = count.reshape(-1)
-            denom = (n + self.prior).clamp_min(1e-12)
-            used = n >= max(self.min_count, 1)
-            a = torch.where(used, accepted.reshape(-1) / denom, 0.0)
-            b = torch.where(used, self.prior / denom, 1.0)
-            found = self._luts[device] = (a.to(device, torch.float32), b.to(device, torch.float32))
+            count, accepted, raw_sum = self._rows()
+            scale = self._scales(count, accepted, raw_sum)[:, None]  # the centre: raw * scale
+            denom = (count + self.prior).clamp_min(1e-12)
+            used = count >= max(self.min_count, 1)
+            a = torch.where(used, accepted / denom, 0.0)
+            b = torch.where(used, self.prior * scale / denom, scale)
+            found = self._luts[device] = (a.reshape(-1).to(device, torch.float32),
+                                          b.reshape(-1).to(device, torch.float32))
         return found
+
+    def _scales(self, count: Tensor, accepted: Tensor, raw_sum: Tensor) -> Tensor:
+        """Per position, acceptances over summed raw confidence, shrunk towards 1 by ``prior`` observations of a
+        raw confidence 1 (1 where the position has fewer than ``min_count`` observations)."""
+        used = count.sum(1) >= max(self.min_count, 1)
+        return torch.where(used, (accepted.sum(1) + self.prior) / (raw_sum.sum(1) + self.prior).clamp_min(1e-12), 1.0)
 
     def _cells(self, k: int, device: torch.device) -> Tensor:
         key = (k, device)
@@ -175,14 +193,18 @@ class Calibrator:
         return self._cell_base[key]
 
     def _calibrated_prob(self, log_conf: Tensor) -> Tensor:
-        """Beta-smoothed bin acceptance rate, centred on the raw probability; raw for thin bins."""
+        """The bin's rate, smoothed towards raw scaled by its position's ratio; a thin bin takes the scaled raw
+        value, a thin position raw (``[n, k]``, on the CPU: the out-of-sample reliability). At most 1."""
         raw = _prob(log_conf)
-        cell = torch.arange(log_conf.shape[-1]) * self.bins + self._bin(raw)
-        count, accepted = self._rows()
-        n = count.reshape(-1)[cell]
-        a = accepted.reshape(-1)[cell]
-        smoothed = (a + self.prior * raw) / (n + self.prior).clamp_min(1e-12)
-        return torch.where(n >= max(self.min_count, 1), smoothed, raw)
+        positions = torch.arange(log_conf.shape[-1])
+        cell = positions * self.bins + self._bin(raw)
+        count, accepted, raw_sum = self._rows()
+        floor = max(self.min_count, 1)
+        n, hits, conf = count.sum(1)[positions], accepted.sum(1)[positions], raw_sum.sum(1)[positions]
+        centre = raw * torch.where(n >= floor, (hits + self.prior) / (conf + self.prior).clamp_min(1e-12), 1.0)
+        n, a = count.reshape(-1)[cell], accepted.reshape(-1)[cell]
+        smoothed = torch.where(n >= floor, (a + self.prior * centre) / (n + self.prior).clamp_min(1e-12), centre)
+        return smoothed.clamp(max=1.0)
 
     def _count(self, count: Tensor, accepted: Tensor, conf_sum: Tensor, prob: Tensor,
                observed: Tensor, hit: Tensor) -> None:

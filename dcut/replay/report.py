@@ -16,7 +16,7 @@ from tqdm import tqdm
 from dcut.replay import anchors
 from dcut.replay.costs import CostModel
 from dcut.replay.policy import FixedWidth, Policy
-from dcut.replay.simulate import Cell, Pools, RunnerPolicy, SimClock, oracle, run_cell
+from dcut.replay.simulate import Cell, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
 from dcut.settings import DCutSettings
 from dcut.trace import Trace
 
@@ -69,7 +69,7 @@ def _named(policy: Policy, name: str) -> Policy:
 
 
 def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: bool = True) -> list[Cell]:
-    """Every policy at every batch size, then ``dynamic`` and the ``oracle``."""
+    """Every policy at every batch size, then ``dynamic``, the ``oracle`` and the ``oracle-conf``."""
     pools = Pools(case.trace, case.context)
     makers = list(policy_makers(case, pools))
     cells: list[Cell] = []
@@ -81,6 +81,7 @@ def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: 
                 bar.update()
             cells.append(dynamic(cells, bs))
             cells.append(oracle(bs, pools, case.cost, steps, warmup))
+            cells.append(confidence_oracle(bs, pools, case.cost, steps, warmup))
     return cells
 
 
@@ -98,11 +99,12 @@ def summarize(case: Case, cells: list[Cell]) -> dict[str, object]:
     by = {(c.policy, c.bs): c for c in cells}
     rows = []
     for c in cells:
-        none, best = by[("none", c.bs)], by[("oracle", c.bs)]
+        none, best, signals = by[("none", c.bs)], by[("oracle", c.bs)], by[("oracle-conf", c.bs)]
         rows.append({
             "policy": c.policy, "bs": c.bs, "tokens_per_s": round(c.tokens_per_s, 3),
             "speedup_vs_none": round(c.tokens_per_s / none.tokens_per_s, 4),
             "fraction_of_oracle": round(c.tokens_per_s / best.tokens_per_s, 4),
+            "fraction_of_confidence_oracle": round(c.tokens_per_s / signals.tokens_per_s, 4),
             "tokens_per_step": round(c.tokens / c.steps / c.bs, 4),
             "step_ms": round(c.ms / c.steps, 4),
             "widths": {str(w): n for w, n in c.widths.items()},

@@ -53,6 +53,10 @@ class Pools:
     def widths(self) -> list[int]:
         return sorted(self._pools)
 
+    def pool(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(log_conf [n, width], accepted [n])``: every fully verified row drafted at ``width``."""
+        return self._pools[width]
+
     def mean_accepted(self, width: int) -> float:
         return float(self._pools[width][1].mean())
 
@@ -248,6 +252,73 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
             ms = (np.full_like(tokens, zero) if w == 0 else verify + cost.draft(bs, w)) + cost.overhead(tokens)
             row.append((tokens, ms))
         options.append(row)
+    picks = _best_ratio(options)
+    tokens = sum(options[n][j][0][b] for n, (j, b) in enumerate(picks))
+    ms = sum(options[n][j][1][b] for n, (j, b) in enumerate(picks))
+    hist = Counter(widths[j] for j, _ in picks)
+    verified = int(sum(b for _, b in picks))
+    return Cell("oracle", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())), verified,
+                int(sum(bs * widths[j] for j, _ in picks)))
+
+
+def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
+    """The best a policy deciding on the drafter's confidences could do: each step it sees every width's drafts
+    with their confidences calibrated in hindsight (per width, position and confidence bin, fitted on the whole
+    trace: ``dcut.calibration.Calibrator``), drafts the width and keeps the global top-B that maximise expected
+    tokens over time, and gets what those drafts truly yield.
+
+    It knows more than a deployable policy (every width's drafts of this step before drafting one, a calibration
+    fitted on the outcomes it is judged on) and less than the ``oracle`` (not which drafts verification accepts):
+    the ceiling of what D-Cut's signals can buy, where the oracle is the ceiling of anything.
+    """
+    import torch
+
+    from dcut.calibration import Calibrator
+    from dcut.selection import prefix_scores
+
+    calibrators = {}
+    for w in pools.widths:
+        conf, accepted = pools.pool(w)
+        calibrators[w] = c = Calibrator(w, prior=0.0)
+        c.update(torch.from_numpy(conf), torch.full((len(accepted),), w), torch.from_numpy(accepted))
+    widths = [0, *pools.widths]
+    options, outcomes = [], []  # per step and width, per budget: (expected tokens, ms); (true tokens, ms)
+    for n in range(steps):
+        row, truth = [], []
+        context = pools.context(warmup + n, bs)
+        zero = min(cost.none(bs, context), cost.verify(bs, bs, context) + cost.draft(bs, 0))
+        for w in widths:
+            if w == 0:
+                tokens = np.full(1, float(bs))
+                ms = np.full(1, zero) + cost.overhead(tokens)
+                row.append((tokens, ms))
+                truth.append((tokens, ms))
+                continue
+            conf, accepted = pools.rows(w, warmup + n, bs)
+            scores = prefix_scores(calibrators[w].calibrate(torch.from_numpy(conf))).reshape(-1).numpy()
+            order = np.argsort(-scores, kind="stable")  # the global top-B for every B: a prefix of each request
+            expected = bs + np.concatenate([[0.0], np.cumsum(scores[order])])
+            hit = (order % w) < accepted[order // w]  # the draft is one verification accepts
+            true = bs + np.concatenate([[0.0], np.cumsum(hit)])
+            verify = cost.table.lookup_many(bs, bs + np.arange(bs * w + 1, dtype=np.int64), context)
+            if verify is None:
+                raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
+            base = verify + cost.draft(bs, w)
+            row.append((expected, base + cost.overhead(expected)))
+            truth.append((true, base + cost.overhead(true)))
+        options.append(row)
+        outcomes.append(truth)
+    picks = _best_ratio(options)
+    tokens = sum(outcomes[n][j][0][b] for n, (j, b) in enumerate(picks))
+    ms = sum(outcomes[n][j][1][b] for n, (j, b) in enumerate(picks))
+    hist = Counter(widths[j] for j, _ in picks)
+    return Cell("oracle-conf", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())),
+                int(sum(b for _, b in picks)), int(sum(bs * widths[j] for j, _ in picks)))
+
+
+def _best_ratio(options: list[list[tuple[np.ndarray, np.ndarray]]]) -> list[tuple[int, int]]:
+    """Per step, the (width index, budget) maximising total tokens over total ms across all steps: Dinkelbach's
+    iteration on ``tokens - rate * ms`` per step converges to the best ratio in a few rounds."""
     rate, picks = 0.0, []
     for _ in range(50):
         picks = []
@@ -261,7 +332,4 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
         if math.isclose(new, rate, rel_tol=1e-12):
             break
         rate = new
-    hist = Counter(widths[j] for j, _ in picks)
-    verified = int(sum(b for _, b in picks))
-    return Cell("oracle", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())), verified,
-                int(sum(bs * widths[j] for j, _ in picks)))
+    return picks

@@ -36,14 +36,16 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
     """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice; what it predicted
     against what it got; and from which measured step its width stayed the one it ends on (steps to converge)."""
-    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | joint: predicted / realized "
-             "tok/s | converged at step |", "|---|---|---|---|---|---|"]
+    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | oracle-conf: steps per width | "
+             "joint / oracle-conf | joint: predicted / realized tok/s | converged at step |",
+             "|---|---|---|---|---|---|---|---|"]
     cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
     for b in summary["batch_sizes"]:
-        j, o = cell[("joint", b)], cell[("oracle", b)]
+        j, o, c = cell[("joint", b)], cell[("oracle", b)], cell[("oracle-conf", b)]
         predicted, got = j.get("predicted_tokens_per_s"), j["tokens_per_s"]
         vs = "–" if predicted is None else f"{predicted:.0f} / {got:.0f} ({predicted / got:.2f})"
-        lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} | {vs} | "
+        lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} | "
+                     f"{_hist(c['widths'])} | {j['fraction_of_confidence_oracle']:.3f} | {vs} | "
                      f"{j.get('converged_at_step', '–')} |")
     return "\n".join(lines) + "\n"
 

@@ -65,6 +65,9 @@ NEVER = -1.0e4  # a log-confidence no budget keeps (exp underflows to 0), withou
 # CPU engine (under cProfile: 0.8 ms of a 19 ms step at bs 8), more than D-Cut's selection itself.
 REDECIDE_STEPS = 8
 POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before it replaces the pooled one
+# Steps between re-pricings of every width's recent blocks under the calibration of now (``WidthStats.rescore``:
+# why). Calibration moves over hundreds of steps; one re-pricing costs about a millisecond of small CPU ops.
+RESCORE_STEPS = 64
 
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
@@ -306,14 +309,15 @@ class RunnerDCut(RunnerKnowledge):
             drafts = [d[:c] for d, c in zip(drafts, caps, strict=True)]
         self.requests.verified(req_ids, [len(d) for d in drafts])
         step_ms = (self._clock() - self._step_start) * 1000.0
-        self._record(pending, verified, step_ms)
-        self._last = None
-        if pending is not None:
-            self._last = LastDrafts({r: i for i, r in enumerate(req_ids)}, pending.log_conf.cpu(),
-                                     pending.log_conf.shape[-1])
+        raw = None if pending is None else pending.log_conf.cpu()
+        self._record(pending, verified, step_ms, raw)
+        self._last = None if raw is None else LastDrafts({r: i for i, r in enumerate(req_ids)}, raw, raw.shape[-1])
         return drafts
 
-    def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float) -> None:
+    def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
+                raw: Tensor | None) -> None:
+        """Account for the step: refine costs, count what was verified, price what was drafted (``raw``: this
+        step's raw log-confidences on the CPU), and publish the step's record."""
         self.steps += 1
         table = self.cost_table
         if table is not None and self.settings.refine:
@@ -331,8 +335,11 @@ class RunnerDCut(RunnerKnowledge):
             if self.joint:
                 self.width_stats.observe(verified.width, reached_at, accepted_at)
             self._update_calibration(verified)
-        if pending is not None and pending.expected is not None:
-            self.width_stats.observe_scores(pending.log_conf.shape[-1], pending.expected, self._step_bs)
+        if pending is not None and pending.expected is not None and raw is not None:
+            self.width_stats.observe_scores(raw.shape[-1], pending.expected, self._step_bs)
+            self.width_stats.observe_block(raw)
+        if self.joint and self.steps % RESCORE_STEPS == 0:
+            self.width_stats.rescore(self._calibrated)
         decision = pending.decision if pending is not None else None
         proposed = int(pending.log_conf.numel()) if pending is not None else 0
         kept = int(decision.kept) if decision is not None else proposed
@@ -389,6 +396,11 @@ class RunnerDCut(RunnerKnowledge):
         if verify is not None and draft is not None:
             cycle.predicted_tokens = tokens
             cycle.predicted_ms = verify + draft + float(self.overhead.ms(tokens))
+
+    def _calibrated(self, width: int, log_conf: Tensor) -> Tensor:
+        """``log_conf`` of blocks drafted at ``width``, calibrated as a block of that width is now."""
+        calibrator = self._calibrator(width)
+        return log_conf if calibrator is None else calibrator.calibrate(log_conf)
 
     def _calibrator(self, width: int) -> Calibrator | None:
         """The width's own calibrator once it has seen ``POOLED_UNTIL`` first drafts, else the pooled one."""

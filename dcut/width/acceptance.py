@@ -3,7 +3,8 @@ outcomes and from the drafts' calibrated confidences, with an optimistic bound f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor
 from dcut.selection import prefix_scores
 
 OPTIMISM = 1.5  # upper confidence bound, in standard errors, on an unmeasured width's acceptance
+BLOCKS = 64  # drafted blocks per width whose raw confidences ``rescore`` prices again (the moving average's span)
 
 
 def marginal_gains(log_conf: Tensor) -> Tensor:
@@ -20,11 +22,11 @@ def marginal_gains(log_conf: Tensor) -> Tensor:
     budget of ``d * bs`` drafts are ``bs * (1 + sum(g[:d]))``. Non-increasing, in [0, 1]; at bs 1 it is
     the prefix score itself. (The mean prefix score per position would price a uniform depth per
     request, and miss what the global top-k is for: spending the budget on the requests that will
-    accept it.)"""
-    bs, w = log_conf.shape
-    scores = torch.sort(prefix_scores(log_conf).reshape(-1), descending=True).values
-    gains = torch.cat([scores.new_zeros(1), scores.cumsum(0)])[:: bs] / bs  # [w + 1]: top j*bs drafts
-    return gains.diff()
+    accept it.) Blocks stacked ``[n, bs, W]`` give ``[n, W]``."""
+    *lead, bs, w = log_conf.shape
+    scores = torch.sort(prefix_scores(log_conf).reshape(*lead, bs * w), dim=-1, descending=True).values
+    gains = torch.cat([scores.new_zeros(*lead, 1), scores.cumsum(-1)], dim=-1)[..., :: bs] / bs  # top j*bs drafts
+    return gains.diff(dim=-1)
 
 
 def position_counts(verified: Tensor, accepted: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -59,6 +61,7 @@ class WidthStats:
         # confidences predict, over all drafts, cut or not.
         self.expected = torch.zeros(len(self.widths), k, dtype=torch.float64)
         self.expected_requests = torch.zeros(len(self.widths), dtype=torch.float64)
+        self._blocks: dict[int, deque[Tensor]] = {w: deque(maxlen=BLOCKS) for w in self.widths if w}
 
     def observe(self, width: int, reached: Tensor, accepted: Tensor) -> None:
         """Count one step's per-position ``reached`` and ``accepted`` (``position_counts``) for ``width``."""
@@ -90,6 +93,34 @@ class WidthStats:
         w = max(weight, requests / (n + requests))
         self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu() - self.expected[i, :width])
         self.expected_requests[i] += requests
+        self._survival = {}
+
+    def observe_block(self, log_conf: Tensor) -> None:
+        """Keep a drafted block's raw log-confidences (``[bs, W]``, on the CPU) for ``rescore``."""
+        blocks = self._blocks.get(log_conf.shape[-1])
+        if blocks is not None and log_conf.shape[0]:
+            blocks.append(log_conf)
+
+    def rescore(self, calibrate: Callable[[int, Tensor], Tensor]) -> None:
+        """Price each width again from its last ``BLOCKS`` drafted blocks under the calibration of now
+        (``calibrate(width, log_conf)``): the mean of their ``marginal_gains``, by requests.
+
+        ``observe_scores`` prices a block once, under the calibration of the moment it was drafted. A width
+        drafted a few times early, when calibration was thin (raw passes through), keeps that price however
+        much is learned later; for a drafter under-confident deep in its block (the MoE pair's), that price is
+        far too low, the width is never drafted again and nothing ever corrects it (seen: width 15 priced at
+        half what it delivered, and ``joint`` stuck at width 7 at 0.6x of drafting 15)."""
+        for i, w in enumerate(self.widths):
+            blocks = self._blocks.get(w)
+            if not blocks:
+                continue
+            by_bs: dict[int, list[Tensor]] = {}
+            for b in blocks:
+                by_bs.setdefault(b.shape[0], []).append(b)
+            total = torch.zeros(w, dtype=torch.float64)
+            for bs, group in by_bs.items():
+                total += marginal_gains(calibrate(w, torch.stack(group))).sum(0).to(torch.float64) * bs
+            self.expected[i, :w] = total / sum(b.shape[0] for b in blocks)
         self._survival = {}
 
     def load(self, reached: Sequence[Sequence[float]], accepted: Sequence[Sequence[float]],

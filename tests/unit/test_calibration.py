@@ -83,3 +83,18 @@ def test_a_position_never_verified_is_mapped_as_the_deepest_one_that_was():
     assert float(out[1]) > 0.9 and float(out[2]) == pytest.approx(float(out[1])) == pytest.approx(float(out[3]))
     thin = Calibrator(k=4, bins=5, min_count=8)  # nothing verified anywhere: raw passes through
     torch.testing.assert_close(thin.calibrate(torch.full((1, 4), math.log(0.3))), torch.full((1, 4), math.log(0.3)))
+
+
+def test_a_thin_bin_is_corrected_by_what_its_position_shows():
+    """An under-confident drafter (raw 0.05-0.15, every draft accepted): a bin seen too rarely to stand alone is
+    mapped as raw times its position's ratio of acceptances to raw confidence, not left at raw (which priced
+    the MoE pair's deep drafts far below what they delivered); the ratio keeps the bins' order."""
+    cal = Calibrator(k=2, bins=10, min_count=8)
+    for _ in range(40):
+        cal.update(torch.full((4, 2), math.log(0.05)), torch.full((4,), 2), torch.full((4,), 2))
+    cal.update(torch.full((2, 2), math.log(0.15)), torch.full((2,), 2), torch.full((2,), 2))  # bin 1: 2 outcomes
+    out = cal.calibrate(torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]]))).exp()
+    assert float(out[0, 0]) > 0.95 and float(out[0, 1]) == pytest.approx(1.0)  # clamped at 1
+    assert 0.3 < float(out[1, 0]) < float(out[1, 1]) < 1.0  # bin 0 shared by both: counted, so near 0.97
+    expected = cal._calibrated_prob(torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]])).double()).float()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.replay.costs import CostModel
 from dcut.replay.policy import FixedWidth
-from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, oracle, run_cell
+from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
 from dcut.settings import DCutSettings
 from dcut.trace import from_rows
 
@@ -68,6 +68,18 @@ def test_the_oracle_bounds_every_policy(bs):
     joint = run_cell(RunnerPolicy("joint", DCutSettings(mode="joint", widths=[0, 1, 2, 4]), cost, K, clock),
                      bs, pools, cost, 40, 2, clock)
     assert joint.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("bs", SIZES)
+def test_the_confidence_oracle_lies_between_what_confidences_rank_and_the_oracle(bs):
+    """It knows every width's confidences (which here rank acceptance perfectly) but not the outcomes: at most the
+    oracle, and at least the best fixed width, which verifies every draft whatever it is worth."""
+    cost, pools = linear_cost(), Pools(trace())
+    signals = confidence_oracle(bs, pools, cost, steps=40, warmup=2)
+    assert signals.policy == "oracle-conf" and sum(signals.widths.values()) == 40
+    assert signals.tokens_per_s <= oracle(bs, pools, cost, steps=40, warmup=2).tokens_per_s * (1 + 1e-9)
+    fixed = max(run_cell(FixedWidth(w), bs, pools, cost, 40, 2, none=w == 0).tokens_per_s for w in (0, 1, 2, 4))
+    assert signals.tokens_per_s >= fixed * (1 - 1e-9)
 
 
 def test_the_oracle_stops_drafting_when_drafting_is_dear():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -124,6 +126,20 @@ def test_drafted_widths_are_priced_by_their_calibrated_confidences() -> None:
     assert s[0].tolist() == pytest.approx([0.6, 0.3, 0.0, 0.0])  # width 2: width 4's first two positions
 
 
+def test_a_width_is_priced_again_under_the_calibration_of_now() -> None:
+    """A width drafted once while calibration knew nothing keeps that price until ``rescore`` prices its blocks
+    under what calibration learned since (the MoE pair: width 15 priced at half what it delivered, never
+    drafted again)."""
+    stats = WidthStats([2, 4], k=4)
+    block = torch.full((3, 4), math.log(0.1))  # an under-confident drafter: raw 0.1 ...
+    stats.observe_scores(4, marginal_gains(block), requests=3)
+    stats.observe_block(block)
+    assert stats.survival()[1][0] == pytest.approx(0.1)
+    stats.rescore(lambda width, log_conf: torch.zeros_like(log_conf))  # ... learned to be accepted every time
+    assert stats.survival()[1].tolist() == pytest.approx([1.0] * 4)
+    assert stats.survival()[0][:2].tolist() == pytest.approx([1.0, 1.0])  # width 2 borrows width 4's price
+
+
 def test_marginal_gains_price_the_global_top_k() -> None:
     # One sure request and one hopeless one: the first draft per request (budget bs) is worth the sure
     # request's first two drafts, which a uniform depth of 1 would not keep.
@@ -131,6 +147,8 @@ def test_marginal_gains_price_the_global_top_k() -> None:
     g = marginal_gains(log_conf)
     assert g.tolist() == pytest.approx([1.0, 0.5 + 0.005, 0.00005 + 0.0000005], rel=1e-3)
     assert marginal_gains(log_conf[:1]).tolist() == pytest.approx([1.0, 1.0, 1.0])  # bs 1: the prefix scores
+    stacked = marginal_gains(torch.stack([log_conf, log_conf.flip(0)]))  # blocks stacked: one row each
+    assert stacked.shape == (2, 3) and torch.allclose(stacked, g.expand(2, 3))
 
 
 def test_the_explorer_tries_only_widths_that_might_win_and_stops_once_measured() -> None:
