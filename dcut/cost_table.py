@@ -128,7 +128,9 @@ class CostTable:
         """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
 
         Interpolates once per covering batch size onto every integer token count up to the last
-        point, so a step's lookup is a single gather.
+        point, so a step's lookup is a single gather; the live correction (``refine``, every step) is
+        added after, so refining never rebuilds the row (rebuilding it each step cost more than the
+        rest of the verify-budget choice).
         """
         cover = self.covering(bs)
         if cover is None:
@@ -140,9 +142,9 @@ class CostTable:
 
             row = self.points[cover]
             grid = np.arange(row[-1][0] + 1)
-            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
+            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row])
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        costs = dense.take(verify_tokens.clamp(0, dense.shape[0] - 1))  # take: cheapest gather
+        costs = dense.take(verify_tokens.clamp(0, dense.shape[0] - 1)) + self.offset(cover)  # take: cheapest gather
         delta = self.offset(cover, plain=True) - self.offset(cover)
         costs = costs + (verify_tokens <= bs) * delta if delta else costs
         return costs if self.context is None else self.context.apply(costs, verify_tokens, cover, context)
@@ -227,8 +229,6 @@ class CostTable:
         # the clip above, taken around a negative prediction, then pushed the offset down without bound.)
         floor = -0.5 * self.points[cover][0][1]
         offsets[cover] = (max(offset + w * (sample - predicted), floor), n + 1)
-        for key in [key for key in self._dense if key[0] == cover]:
-            del self._dense[key]
 
     @classmethod
     def merge(cls, tables: Sequence[CostTable]) -> CostTable:

@@ -51,6 +51,7 @@ from dcut.width import (
     WidthStats,
     choose_width,
     marginal_gains,
+    per_request_gains,
     position_counts,
     width_utilities,
     widths_for,
@@ -268,8 +269,10 @@ class RunnerDCut(RunnerKnowledge):
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
                                                              float(self.overhead.ms(log_conf.shape[0])), self.context)
         keep, decision = select(scored, self.settings, cost)
-        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6,
-                                 marginal_gains(scored) if self.joint else None)
+        gains = None
+        if self.joint:
+            gains = marginal_gains(scored) if decision.gains is None else per_request_gains(decision.gains, len(req_ids))
+        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains)
 
     def _expected(self, log_conf: Tensor, calibrator: Calibrator | None) -> Tensor | None:
         """Mode joint: what each further draft per request is worth in this block (``marginal_gains``)."""
@@ -414,10 +417,16 @@ class RunnerDCut(RunnerKnowledge):
         calibrator = self.calibrators.get(verified.width)
         if last is None or calibrator is None:
             return
-        rows = [(i, last.index[r]) for i, r in enumerate(verified.req_ids) if r in last.index]
-        if not rows:
-            return
-        mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
+        if len(last.index) == len(verified.req_ids) and all(
+                last.index.get(r) == i for i, r in enumerate(verified.req_ids)):  # the same batch, same order
+            conf, num_draft, accepted = last.log_conf, verified.num_draft, verified.accepted
+        else:
+            rows = [(i, last.index[r]) for i, r in enumerate(verified.req_ids) if r in last.index]
+            if not rows:
+                return
+            mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
+            conf, num_draft, accepted = last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine]
+        conf = conf.to(torch.float64)  # once for both calibrators (``observe`` keeps float64 on the CPU)
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:
-                c.observe(last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine])
+                c.observe(conf, num_draft, accepted)

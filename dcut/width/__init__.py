@@ -24,7 +24,7 @@ One module per part: ``choice`` (the utility and the pick), ``acceptance`` (``Wi
 ``realized`` (``RealizedRates``), ``exploration`` (``Explorer``, ``ProbeBudget``).
 """
 
-from dcut.width.acceptance import OPTIMISM, WidthStats, marginal_gains, position_counts
+from dcut.width.acceptance import OPTIMISM, WidthStats, marginal_gains, per_request_gains, position_counts
 from dcut.width.choice import WidthChoice, choose_width, width_utilities, widths_for
 from dcut.width.exploration import Explorer, ProbeBudget
 from dcut.width.realized import RealizedRates
@@ -38,6 +38,7 @@ __all__ = [
     "WidthStats",
     "choose_width",
     "marginal_gains",
+    "per_request_gains",
     "position_counts",
     "width_utilities",
     "widths_for",

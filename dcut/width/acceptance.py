@@ -25,8 +25,13 @@ def marginal_gains(log_conf: Tensor) -> Tensor:
     accept it.) Blocks stacked ``[n, bs, W]`` give ``[n, W]``."""
     *lead, bs, w = log_conf.shape
     scores = torch.sort(prefix_scores(log_conf).reshape(*lead, bs * w), dim=-1, descending=True).values
-    gains = torch.cat([scores.new_zeros(*lead, 1), scores.cumsum(-1)], dim=-1)[..., :: bs] / bs  # top j*bs drafts
-    return gains.diff(dim=-1)
+    return per_request_gains(torch.cat([scores.new_zeros(*lead, 1), scores.cumsum(-1)], dim=-1), bs)
+
+
+def per_request_gains(cumulative: Tensor, bs: int) -> Tensor:
+    """``marginal_gains`` from the running sum of a block's prefix scores sorted best first (``[..., bs*W + 1]``,
+    from 0: what ``dcut.selection.select`` computes anyway, so a step need not sort twice)."""
+    return (cumulative[..., :: bs] / bs).diff(dim=-1)  # the top j*bs drafts, per request
 
 
 def position_counts(verified: Tensor, accepted: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
