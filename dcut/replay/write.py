@@ -36,8 +36,8 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
     """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice; what it predicted
     against what it got; and from which measured step its width stayed the one it ends on (steps to converge)."""
-    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | oracle-conf: steps per width | "
-             "joint / oracle-conf | joint: predicted / realized tok/s | converged at step |",
+    lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | oracle-conf: steps per "
+             "width | joint / oracle-conf | joint: predicted / realized tok/s | converged at step |",
              "|---|---|---|---|---|---|---|---|"]
     cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
     for b in summary["batch_sizes"]:

@@ -270,8 +270,9 @@ class RunnerDCut(RunnerKnowledge):
                                                              float(self.overhead.ms(log_conf.shape[0])), self.context)
         keep, decision = select(scored, self.settings, cost)
         gains = None
-        if self.joint:
-            gains = marginal_gains(scored) if decision.gains is None else per_request_gains(decision.gains, len(req_ids))
+        if self.joint:  # what each further draft per request is worth: select's sorted sums, where it made them
+            bs = len(req_ids)
+            gains = marginal_gains(scored) if decision.gains is None else per_request_gains(decision.gains, bs)
         self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains)
 
     def _expected(self, log_conf: Tensor, calibrator: Calibrator | None) -> Tensor | None:
