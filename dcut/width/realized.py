@@ -132,8 +132,13 @@ class RealizedRates:
     def optimistic(self, bucket: int, model: Sequence[WidthChoice | None], z: float = OPTIMISM
                    ) -> list[float | None]:
         """Each width's optimistic tokens/s: measured (``min_samples`` cycles or more), its estimate raised by
-        ``z`` spreads of a cycle's rate over the square root of its fresh cycles; else ``model``'s (an
-        optimistic estimate); None where neither exists."""
+        ``z`` spreads of a cycle's rate over the square root of its fresh cycles; else the better of ``model``'s
+        (an optimistic estimate) and what its few cycles delivered; None where neither exists.
+
+        Why the few cycles count: a width the model prices low (confidences not calibrated yet) stopped being
+        explored after a handful of cycles, before it was measured, whatever those cycles delivered (the MoE
+        pair at bs 1: width 15 delivered 1,862 tok/s over its first cycles, the model said 700, and ``joint``
+        stayed at width 0, 415 tok/s, for 2,000 cycles)."""
         measured = self.apply(bucket, model)
         out: list[float | None] = []
         for c, m in zip(model, measured, strict=True):
@@ -141,6 +146,8 @@ class RealizedRates:
             if m is not None and cell is not None and self._measured(bucket, cell) and cell.rate > 0:
                 spread = cell.rate_var ** 0.5 / cell.rate
                 out.append(m.tokens_per_s * (1.0 + z * spread / max(self.fresh(bucket, c.width), 1.0) ** 0.5))
+            elif c is not None and cell is not None and cell.ms > 0:
+                out.append(max(c.tokens_per_s, 1000.0 * cell.tokens / cell.ms))
             else:
                 out.append(None if c is None else c.tokens_per_s)
         return out

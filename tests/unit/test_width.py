@@ -185,6 +185,19 @@ def test_realized_rates_replace_the_estimate_once_measured() -> None:
     assert rates.apply(8, estimate) == estimate  # other batch-size buckets are separate
 
 
+def test_a_width_not_yet_measured_is_as_hopeful_as_what_its_few_cycles_delivered() -> None:
+    """The model prices width 15 at 700 tok/s (uncalibrated confidences) and one cycle delivered 1,800: it stays a
+    candidate for exploration until measured, whichever is higher; a width never run keeps the model's figure."""
+    rates = RealizedRates(min_samples=3, min_requests=32)
+    model = [WidthChoice(0, 0, 1.0, 1.5), WidthChoice(15, 15, 2.1, 3.0), WidthChoice(7, 7, 1.0, 2.0)]
+    rates.add(1, 15, tokens=5.4, ms=3.0, predicted_tokens=2.1, predicted_ms=3.0)
+    assert rates.optimistic(1, model) == pytest.approx([1000.0 / 1.5, 1800.0, 500.0])
+    rates.add(1, 15, tokens=0.3, ms=3.0, predicted_tokens=2.1, predicted_ms=3.0)  # an unlucky one: their mean
+    assert rates.optimistic(1, model)[1] == pytest.approx(950.0)
+    rates.add(1, 15, tokens=0.3, ms=3.0, predicted_tokens=2.1, predicted_ms=3.0)  # their mean, 667: the model's
+    assert rates.optimistic(1, model)[1] == pytest.approx(700.0)
+
+
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
     """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
     realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
