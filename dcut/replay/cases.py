@@ -2,6 +2,8 @@
 
 - ``deep-cpu``: the deep pair's recorded trace (``docs/replay/traces/deep``) against what the recording
   engine's steps cost on this kind of machine (``recorded_cost_model``);
+- ``moe-cpu``: the same for the MoE pair (``docs/replay/traces/moe``, bs 1 and 4): a drafter under-confident deep
+  in its block, where a policy's calibration and width pricing are tested hardest;
 - ``h20-paper``: synthetic traces calibrated to the source document (``dcut.replay.synthetic``) against the
   Qwen3-8B-on-H20 roofline fitted to its verify costs (``dcut.replay.roofline``): the paper check;
 - ``deep-h20``: the deep pair's trace against the H20 roofline (our drafter's acceptance, a GPU's costs);
@@ -25,6 +27,7 @@ from dcut.trace import Trace
 
 DOCS = Path("docs/replay")
 DEEP_TRACE = DOCS / "traces" / "deep"
+MOE_TRACE = DOCS / "traces" / "moe"
 GPU_TINY = DOCS / "costs" / "gpu-script-tiny-cpu.json"
 PAPER_SIZES = [4, 8, 16, 32, 64]
 SIZES = [1, 4, 8, 16, 32, 64]
@@ -112,6 +115,11 @@ def deep_cpu() -> Case:
                 "deep pair, recorded on this CPU; this CPU's profiled costs")
 
 
+def moe_cpu() -> Case:
+    return Case("moe-cpu", load_traces(MOE_TRACE), recorded_cost_model(MOE_TRACE), [1, 4],
+                "MoE pair, recorded on this CPU; this CPU's profiled costs")
+
+
 def h20_paper() -> Case:
     from dcut.replay.roofline import h20_cost_model
     from dcut.replay.synthetic import paper_trace
@@ -134,8 +142,8 @@ def gpu_script_tiny() -> Case:
                 "dcut/bench/gpu_costs.py's output format, run at a tiny shape on this CPU (format check, not figures)")
 
 
-CASES: dict[str, Callable[[], Case]] = {"deep-cpu": deep_cpu, "h20-paper": h20_paper, "deep-h20": deep_h20,
-                                        "gpu-script-tiny": gpu_script_tiny}
+CASES: dict[str, Callable[[], Case]] = {"deep-cpu": deep_cpu, "moe-cpu": moe_cpu, "h20-paper": h20_paper,
+                                        "deep-h20": deep_h20, "gpu-script-tiny": gpu_script_tiny}
 
 
 def custom_case(trace: Path, costs: Path, batch_sizes: str | None, context: float | None = None) -> Case:

@@ -49,6 +49,7 @@ class RunnerKnowledge:
     cost_path: str | None
     window: StepWindow
     steps: int
+    calibrating: int
     cost_table_s: float | None = None  # start-up: loading or profiling the cost table took this long
     compile_s: float | None = None  # start-up: vLLM's compile seconds (CompilationTimes), where it said
 
@@ -128,6 +129,7 @@ class RunnerKnowledge:
         self.realized.load(state.realized)
         self.overhead.per_step_ms, self.overhead.per_token_ms = state.overhead_ms
         self._decided.clear()
+        self.calibrating = 0  # calibrated already, by the runner that learned this
 
     # -- reading ---------------------------------------------------------------------------
     def estimates(self) -> list[ThroughputEstimate]:

@@ -69,6 +69,11 @@ POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before
 # Steps between re-pricings of every width's recent blocks under the calibration of now (``WidthStats.rescore``:
 # why). Calibration moves over hundreds of steps; one re-pricing costs about a millisecond of small CPU ops.
 RESCORE_STEPS = 64
+# Requests whose drafts a fresh engine verifies in full, at full width, before it decides anything: calibration
+# from nothing. A drafter's raw confidence can be far off (the MoE pair's: raw about 0.05 deep in its block, accepted
+# 99 % of the time); judged on it, every drafting width looks worthless, width 0 is chosen, and the drafts that
+# would correct the calibration are never verified (replayed: joint at width 0 for 500 steps, 0.43x width 15).
+CALIBRATE_REQUESTS = 64
 
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
@@ -124,6 +129,7 @@ class RunnerDCut(RunnerKnowledge):
         self._last_log = time.monotonic()
         self._gap_ms: float | None = None  # the engine's time between the last drafting pass and this step
         self._zero_cycles = 0  # width-0 cycles whose drafter writes wait in the catch-up stash
+        self.calibrating = CALIBRATE_REQUESTS if self.joint and self.calibrators else 0  # requests left to verify
         self.tracer = TraceWriter(k, {"fingerprint": fingerprint.model_dump(), "k": k}) if settings.trace else None
         self.trace_widths = [w for w in settings.trace_widths if w <= k] or [k]
         self._trace_turn = 0
@@ -164,6 +170,10 @@ class RunnerDCut(RunnerKnowledge):
             return self.width
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
+            return self.width
+        if self.calibrating > 0:  # a probe: drafted at full width and verified in full (CALIBRATE_REQUESTS: why)
+            self.calibrating -= bs
+            self.width, self.probe = self.k, True
             return self.width
         self._choices += 1
         decision = self._decided.get(bs)

@@ -14,6 +14,7 @@ from dcut.replay.cases import custom_case
 from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, run_cell
 from dcut.settings import DCutSettings
 from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
+from dcut.vllm.state import CALIBRATE_REQUESTS
 from deployments.controller import DCutController
 from deployments.records import EngineLoad, ReplicaReport
 from deployments.settings import AutoscalingSettings, ControllerSettings
@@ -57,13 +58,28 @@ def test_a_second_replica_starts_with_the_first_ones_choice(case):
     second.runner.cost_table = table
     second.runner.adopt(state)
     run_cell(second, bs, pools, case.cost, steps=50, warmup=0, clock=clock)
-    assert second.held == [converged] * 50
+    # The first replica's choice, or the width its measurements rank first where hysteresis kept it from switching.
+    measured = {int(k.split("/")[1]): v["tokens_per_s"] for k, v in first.runner.realized.summary().items()
+                if k.startswith(f"{bs}/") and v["samples"] >= 3}
+    assert len(set(second.held)) == 1 and second.held[0] in {converged, max(measured, key=measured.get)}
 
     clock = SimClock()
     cold = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
     cold.runner.cost_table = CostTable.from_json(table.to_json())
     run_cell(cold, bs, pools, case.cost, steps=50, warmup=0, clock=clock)
-    assert cold.held != [converged] * 50  # without it, the same start explores
+    assert cold.held != second.held  # without it, the same start calibrates and explores first
+
+
+def test_a_fresh_runner_verifies_full_blocks_before_it_decides(case):
+    """Calibration from nothing: the first CALIBRATE_REQUESTS requests draft the full width and verify all of it
+    (probes, which the realized rates do not count); only then is a width chosen."""
+    pools, bs, clock = Pools(case.trace), 4, SimClock()
+    fresh = Recording("joint", JOINT, case.cost.for_policies(), case.trace.k, clock)
+    cell = run_cell(fresh, bs, pools, case.cost, steps=40, warmup=0, clock=clock)
+    probes = CALIBRATE_REQUESTS // bs
+    assert fresh.held[:probes] == [None] * probes and fresh.held[probes] is not None
+    assert cell.widths.get(case.trace.k, 0) >= probes
+    assert sum(fresh.runner.pooled_calibrator.count[0].tolist()) >= CALIBRATE_REQUESTS - bs  # outcomes lag a step
 
 
 def _state(reached: float, expected: float, requests: float, n: int, rate: float) -> LearnedState:
