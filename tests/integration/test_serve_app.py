@@ -286,7 +286,9 @@ def test_capacity_and_demand_from_dcut_estimates(client):
     for r in status["replicas"]:
         assert {"batch_size", "keep_ratio", "acceptance", "estimates", "capacity_tokens_per_s",
                 "demand_tokens_per_s", "cost_source"} <= set(r)
-        assert r["steps"] > 0 and r["keep_ratio"] is not None
+        # No keep ratio where the window drafted nothing: joint at width 0, right for a pair whose drafts are never
+        # accepted (this tiny one's, once a fresh engine has verified its first 64 requests' blocks in full).
+        assert r["steps"] > 0 and (r["keep_ratio"] is None or 0.0 <= r["keep_ratio"] <= 1.0)
         assert r["capacity_from"] == "estimates"
         assert sorted(e["batch_size"] for e in r["estimates"]) == [1, 4]
         estimates = [telemetry.ThroughputEstimate(**e) for e in r["estimates"]]
