@@ -155,8 +155,8 @@ class Calibrator:
 
     def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with: a position
-        verified fewer than
-        ``BORROW_BELOW`` times takes the counts of the deepest earlier position verified more (why: above)."""
+        verified fewer than ``BORROW_BELOW`` times takes the counts of the deepest earlier position verified more
+        (why: above)."""
         source, last = list(range(self.k)), None
         for t, n in enumerate(self.count.sum(1).tolist()):
             if n >= BORROW_BELOW:
@@ -199,11 +199,10 @@ class Calibrator:
         positions = torch.arange(log_conf.shape[-1])
         cell = positions * self.bins + self._bin(raw)
         count, accepted, raw_sum = self._rows()
-        floor = max(self.min_count, 1)
-        n, hits, conf = count.sum(1)[positions], accepted.sum(1)[positions], raw_sum.sum(1)[positions]
-        centre = raw * torch.where(n >= floor, (hits + self.prior) / (conf + self.prior).clamp_min(1e-12), 1.0)
+        centre = raw * self._scales(count, accepted, raw_sum)[positions]
         n, a = count.reshape(-1)[cell], accepted.reshape(-1)[cell]
-        smoothed = torch.where(n >= floor, (a + self.prior * centre) / (n + self.prior).clamp_min(1e-12), centre)
+        smoothed = (a + self.prior * centre) / (n + self.prior).clamp_min(1e-12)
+        smoothed = torch.where(n >= max(self.min_count, 1), smoothed, centre)
         return smoothed.clamp(max=1.0)
 
     def _count(self, count: Tensor, accepted: Tensor, conf_sum: Tensor, prob: Tensor,

@@ -252,13 +252,7 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
             ms = (np.full_like(tokens, zero) if w == 0 else verify + cost.draft(bs, w)) + cost.overhead(tokens)
             row.append((tokens, ms))
         options.append(row)
-    picks = _best_ratio(options)
-    tokens = sum(options[n][j][0][b] for n, (j, b) in enumerate(picks))
-    ms = sum(options[n][j][1][b] for n, (j, b) in enumerate(picks))
-    hist = Counter(widths[j] for j, _ in picks)
-    verified = int(sum(b for _, b in picks))
-    return Cell("oracle", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())), verified,
-                int(sum(bs * widths[j] for j, _ in picks)))
+    return _picked("oracle", bs, widths, _best_ratio(options), options)
 
 
 def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
@@ -308,11 +302,17 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
             truth.append((true, base + cost.overhead(true)))
         options.append(row)
         outcomes.append(truth)
-    picks = _best_ratio(options)
+    return _picked("oracle-conf", bs, widths, _best_ratio(options), outcomes)
+
+
+def _picked(name: str, bs: int, widths: list[int], picks: list[tuple[int, int]],
+            outcomes: list[list[tuple[np.ndarray, np.ndarray]]]) -> Cell:
+    """The cell of one (width index, budget) pick per step, at what each pick yields (``outcomes``: per step and
+    width, tokens and ms per budget)."""
     tokens = sum(outcomes[n][j][0][b] for n, (j, b) in enumerate(picks))
     ms = sum(outcomes[n][j][1][b] for n, (j, b) in enumerate(picks))
     hist = Counter(widths[j] for j, _ in picks)
-    return Cell("oracle-conf", bs, steps, float(tokens), float(ms), dict(sorted(hist.items())),
+    return Cell(name, bs, len(picks), float(tokens), float(ms), dict(sorted(hist.items())),
                 int(sum(b for _, b in picks)), int(sum(bs * widths[j] for j, _ in picks)))
 
 
