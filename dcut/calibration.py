@@ -24,7 +24,6 @@ from dcut.learned import CalibrationState
 # pair's: ECE about 0.6 from position 3) raw makes those drafts look worthless, so the policy cuts them, so they are
 # never verified, so they are never calibrated: a width stays judged on numbers nothing ever checked.
 BORROW_BELOW = 32
-FLUSH_STEPS = 8  # steps whose outcomes ``observe`` holds before counting them together (one update, not eight)
 
 
 class Calibrator:
@@ -59,17 +58,12 @@ class Calibrator:
         self._held: list[tuple[Tensor, Tensor, Tensor]] = []  # outcomes ``observe`` has not counted yet
 
     def observe(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
-        """``update``, deferred: held until ``FLUSH_STEPS`` steps have come, then counted in one update.
-
-        Counting costs a few dozen small tensor operations whatever the rows; once per step it was a
-        measurable share of a CPU engine's step (under cProfile: 0.4 ms of 19 ms at bs 8). The mapping moves
-        slowly, so deciding on one a few steps old changes nothing a step can see. Reading the counts
-        (``state``, ``reliability``) counts what is held first."""
+        """``update``, deferred until ``flush``: counting costs a few dozen small tensor operations whatever the
+        rows, so the engine counts a few steps' outcomes in one update (``dcut.vllm.state.ACCOUNT_STEPS``).
+        Reading the counts (``state``, ``reliability``) counts what is held first."""
         self._held.append((log_conf[:, : self.k].detach().to("cpu", torch.float64),
                            proposed_depths.detach().to("cpu", torch.int64),
                            accepted.detach().to("cpu", torch.int64)))
-        if len(self._held) >= FLUSH_STEPS:
-            self.flush()
 
     def flush(self) -> None:
         """Count every held outcome (rows of narrower blocks padded with drafts of confidence 0, never

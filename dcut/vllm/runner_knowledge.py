@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,9 @@ class RunnerKnowledge:
     cost_table: CostTable | None
     cost_source: CostSource
     cost_path: str | None
-    window: StepWindow
+    _window: StepWindow
+    window: StepWindow  # every held step counted (``RunnerDCut.window``)
+    settle: Callable[[], None]  # count the held steps
     steps: int
     calibrating: int
     cost_table_s: float | None = None  # start-up: loading or profiling the cost table took this long
@@ -109,6 +112,7 @@ class RunnerKnowledge:
         """Mode joint: what this runner has learned, for a replica that starts after it."""
         if not self.joint:
             return None
+        self.settle()
         ws = self.width_stats
         return LearnedState(
             fingerprint=self.fingerprint.key(), k=self.k, widths=self.widths, reached=ws.reached.tolist(),
@@ -120,6 +124,7 @@ class RunnerKnowledge:
 
     def adopt(self, state: LearnedState) -> None:
         """Start from ``state`` (same fingerprint and widths): acceptance, calibration, measured rates."""
+        self.settle()
         self.width_stats.load(state.reached, state.accepted, state.expected, state.expected_requests)
         for w, cal in state.calibration.items():
             if w in self.calibrators:
@@ -134,6 +139,7 @@ class RunnerKnowledge:
     # -- reading ---------------------------------------------------------------------------
     def estimates(self) -> list[ThroughputEstimate]:
         """Predicted tokens/s per profiled batch size from the cost table and live acceptance."""
+        self.settle()
         table = self.cost_table
         if table is None or not len(self.window):
             return []
@@ -161,11 +167,13 @@ class RunnerKnowledge:
 
     def reset_stats(self) -> None:
         """Forget recorded steps (e.g. after a warm-up), keep the cost table and calibration."""
-        self.window = StepWindow(self.settings.stats_window)
+        self.settle()
+        self._window = StepWindow(self.settings.stats_window)
         self.steps = 0
 
     def snapshot(self) -> DCutSnapshot:
         """The runner's one published record (`dcut.snapshot.DCutSnapshot`)."""
+        self.settle()
         sel = [r.selection_us for r in self.window.records if r.selection_us]
         joint = {}
         if self.joint:

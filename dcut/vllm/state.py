@@ -42,7 +42,7 @@ from dcut.trace import TraceWriter
 from dcut.vllm import prometheus
 from dcut.vllm.engine import additional_settings
 from dcut.vllm.runner_knowledge import RunnerKnowledge
-from dcut.vllm.step_records import Cycle, Decided, LastDrafts, Pending, Verified
+from dcut.vllm.step_records import Cycle, Decided, Held, LastDrafts, Pending, Verified
 from dcut.width import (
     OPTIMISM,
     Explorer,
@@ -74,6 +74,12 @@ RESCORE_STEPS = 64
 # 99 % of the time); judged on it, every drafting width looks worthless, width 0 is chosen, and the drafts that
 # would correct the calibration are never verified (replayed: joint at width 0 for 500 steps, 0.43x width 15).
 CALIBRATE_REQUESTS = 64
+# Steps whose outcomes are held and counted together (``RunnerDCut.settle``): acceptance per width and position,
+# calibration, each block's price, the step records and their metrics. What a step's code costs on a CPU engine is
+# mostly the caches the forward pass left cold (measured in an engine: ``select`` 184 us on its first call after the
+# forward, 58 us repeated at once), so counting eight steps in one go costs little more than counting one. What
+# these counts feed (the width decision, ``REDECIDE_STEPS``; the calibration) moves over hundreds of steps.
+ACCOUNT_STEPS = 8
 
 
 def settings_from_config(vllm_config: Any) -> DCutSettings | None:
@@ -106,7 +112,9 @@ class RunnerDCut(RunnerKnowledge):
         # Mode joint drafts several widths: until a width's own calibrator has seen enough, every width's
         # outcomes, pooled by position, calibrate it (a width first tried must not be judged on raw scores).
         self.pooled_calibrator = Calibrator(k) if settings.calibrate and len(self.calibrators) > 1 else None
-        self.window = StepWindow(settings.stats_window)
+        self._window = StepWindow(settings.stats_window)
+        self._held_steps: list[Held] = []  # steps not yet counted (``settle``)
+        self._rescored_at = 0  # ``steps`` at the last ``WidthStats.rescore``
         self.steps = 0
         self._pending: Pending | None = None
         self._verified: Verified | None = None
@@ -178,6 +186,7 @@ class RunnerDCut(RunnerKnowledge):
         self._choices += 1
         decision = self._decided.get(bs)
         if decision is None or self._choices - decision.step >= REDECIDE_STEPS:
+            self.settle()  # decide on every step verified so far
             decision = self._decided[bs] = self._decide(bs, table)
         chosen, bucket = decision.chosen, decision.bucket
         if chosen is None or bucket is None:
@@ -255,10 +264,11 @@ class RunnerDCut(RunnerKnowledge):
             self._finished_cycle = finished
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
-            accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0)
-            self._verified = Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted.cpu(),
-                                       self._last.width)
-            self.requests.accepted(req_ids, self._verified.accepted.tolist())
+            accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0).cpu()
+            counts = accepted.tolist()
+            self._verified = Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted, self._last.width,
+                                      sum(counts))
+            self.requests.accepted(req_ids, counts)
         else:
             self._verified = None
         if self.tracer is not None:
@@ -330,8 +340,9 @@ class RunnerDCut(RunnerKnowledge):
 
     def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
                 raw: Tensor | None) -> None:
-        """Account for the step: refine costs, count what was verified, price what was drafted (``raw``: this
-        step's raw log-confidences on the CPU), and publish the step's record."""
+        """Account for the step: now, what the next step reads (costs refined, the finished cycle's rate, the
+        engine's overhead per token emitted); the rest is held for ``settle`` (``raw``: this step's raw
+        log-confidences on the CPU)."""
         self.steps += 1
         table = self.cost_table
         if table is not None and self.settings.refine:
@@ -339,26 +350,8 @@ class RunnerDCut(RunnerKnowledge):
                 table.refine(*self._step_shape, self._verify_ms, context=self.context)
             if self._step_shape is not None and self._draft_ms is not None:
                 table.refine_draft(self._step_shape[0], self.width, self._draft_ms)
-        per_pos_kept = [0] * self.k
-        per_pos_acc = [0] * self.k
-        accepted_total = 0
-        if verified is not None:
-            kept_at, reached_at, accepted_at = position_counts(verified.num_draft, verified.accepted, self.k)
-            per_pos_kept, per_pos_acc = kept_at.tolist(), accepted_at.tolist()
-            accepted_total = sum(per_pos_acc)
-            if self.joint:
-                self.width_stats.observe(verified.width, reached_at, accepted_at)
-            self._update_calibration(verified)
-        if pending is not None and pending.expected is not None and raw is not None:
-            self.width_stats.observe_scores(raw.shape[-1], pending.expected, self._step_bs)
-            self.width_stats.observe_block(raw)
-        if self.joint and self.steps % RESCORE_STEPS == 0:
-            self.width_stats.rescore(self._calibrated)
-        decision = pending.decision if pending is not None else None
-        proposed = int(pending.log_conf.numel()) if pending is not None else 0
-        kept = int(decision.kept) if decision is not None else proposed
         bs = self._step_bs
-        self._emitted = bs + accepted_total
+        self._emitted = bs + (verified.accepted_total if verified is not None else 0)
         c = self._finished_cycle
         # A probe verifies everything, which the policy would not: it teaches acceptance, not the width's rate.
         if c is not None and self.joint and c.clean and not c.probe and self._step_shape is not None:
@@ -367,30 +360,70 @@ class RunnerDCut(RunnerKnowledge):
         if self.joint and self._cycle is not None and table is not None:
             self._predict(self._cycle, table, pending, bs)
         self._finished_cycle = None
+        self._held_steps.append(Held(time.time(), bs, pending, verified, self._last, raw, step_ms, self.width,
+                                     self.probe, self._verify_ms, self._draft_ms))
+        self._verify_ms = self._draft_ms = None
+        if len(self._held_steps) >= ACCOUNT_STEPS:
+            self.settle()
+
+    @property
+    def window(self) -> StepWindow:
+        """The recent steps' records, every held step counted."""
+        self.settle()
+        return self._window
+
+    def settle(self) -> None:
+        """Count the held steps (``ACCOUNT_STEPS``: why they wait), in order. Whatever reads what they feed
+        (acceptance per width, calibration, the records) calls this first."""
+        held, self._held_steps = self._held_steps, []
+        for h in held:
+            self._count(h)
+        for c in (*self.calibrators.values(), self.pooled_calibrator):
+            if c is not None:
+                c.flush()  # one update for the held steps
+        if self.joint and self.steps - self._rescored_at >= RESCORE_STEPS:
+            self._rescored_at = self.steps
+            self.width_stats.rescore(self._calibrated)
+        if held and time.monotonic() - self._last_log >= LOG_INTERVAL_S:
+            self._last_log = time.monotonic()
+            self._log_summary()
+
+    def _count(self, h: Held) -> None:
+        """One held step: what its verification showed, what its drafts are priced at, its record."""
+        per_pos_kept = per_pos_acc = [0] * self.k
+        verified, pending = h.verified, h.pending
+        if verified is not None:
+            kept_at, reached_at, accepted_at = position_counts(verified.num_draft, verified.accepted, self.k)
+            per_pos_kept, per_pos_acc = kept_at.tolist(), accepted_at.tolist()
+            if self.joint:
+                self.width_stats.observe(verified.width, reached_at, accepted_at)
+            self._update_calibration(verified, h.last)
+        if pending is not None and pending.expected is not None and h.raw is not None:
+            self.width_stats.observe_scores(h.raw.shape[-1], pending.expected, h.batch_size)
+            self.width_stats.observe_block(h.raw)
+        decision = pending.decision if pending is not None else None
+        proposed = int(pending.log_conf.numel()) if pending is not None else 0
+        kept = int(decision.kept) if decision is not None else proposed
         record = StepRecord(
-            timestamp=time.time(),
-            batch_size=bs,
+            timestamp=h.timestamp,
+            batch_size=h.batch_size,
             proposed=proposed,
             kept=kept,
-            accepted=accepted_total,
+            accepted=verified.accepted_total if verified is not None else 0,
             accepted_per_position=per_pos_acc,
             kept_per_position=per_pos_kept,
             ratio=kept / proposed if proposed else 1.0,
             budget=int(decision.budget) if decision is not None else kept,
-            step_ms=step_ms,
+            step_ms=h.step_ms,
             selection_us=pending.selection_us if pending is not None else 0.0,
             fallback=decision is not None and decision.fallback,
-            width=self.width,
-            probe=self.probe,
-            verify_ms=self._verify_ms,
-            draft_ms=self._draft_ms,
+            width=h.width,
+            probe=h.probe,
+            verify_ms=h.verify_ms,
+            draft_ms=h.draft_ms,
         )
-        self._verify_ms = self._draft_ms = None
-        self.window.add(record)
+        self._window.add(record)
         prometheus.observe(record, self.fingerprint.model)
-        if time.monotonic() - self._last_log >= LOG_INTERVAL_S:
-            self._last_log = time.monotonic()
-            self._log_summary()
 
     def _predict(self, cycle: Cycle, table: CostTable, pending: Pending | None, bs: int) -> None:
         """What this step's drafts should yield next step, and what the cycle should cost: the kept drafts'
@@ -423,8 +456,7 @@ class RunnerDCut(RunnerKnowledge):
             return own
         return self.pooled_calibrator
 
-    def _update_calibration(self, verified: Verified) -> None:
-        last = self._last
+    def _update_calibration(self, verified: Verified, last: LastDrafts | None) -> None:
         calibrator = self.calibrators.get(verified.width)
         if last is None or calibrator is None:
             return

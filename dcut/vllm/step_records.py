@@ -29,6 +29,7 @@ class Verified:
     num_draft: Tensor  # drafts verified per request (what was scheduled)
     accepted: Tensor  # drafts accepted per request
     width: int  # the width those drafts were drafted at
+    accepted_total: int  # drafts accepted across the batch
 
 
 @dataclass
@@ -51,6 +52,23 @@ class LastDrafts:
     index: dict[str, int]
     log_conf: Tensor  # [bs, width] on the host
     width: int
+
+
+@dataclass
+class Held:
+    """One step's outcomes, held for ``RunnerDCut.settle`` to count with the next steps' (``ACCOUNT_STEPS``)."""
+
+    timestamp: float
+    batch_size: int
+    pending: Pending | None
+    verified: Verified | None
+    last: LastDrafts | None  # the drafts ``verified`` is the outcome of
+    raw: Tensor | None  # this step's raw log-confidences, on the host
+    step_ms: float
+    width: int
+    probe: bool
+    verify_ms: float | None
+    draft_ms: float | None
 
 
 @dataclass

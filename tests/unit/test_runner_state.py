@@ -10,7 +10,7 @@ import torch
 
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.settings import DCutSettings
-from dcut.vllm.state import RunnerDCut
+from dcut.vllm.state import ACCOUNT_STEPS, RunnerDCut
 
 FP = Fingerprint(hardware="cpu", model="m", drafter="d", k=4)
 REQS = ["a", "b"]
@@ -61,8 +61,25 @@ def test_calibration_learns_from_the_drafts_it_scored():
     for _ in range(3):
         drafts = _step(r, {}, lc)
         _step(r, {"a": drafts[0], "b": drafts[1]}, None, torch.tensor([[1, -1, -1, -1, -1]] * 2)[:, : 1 + 4])
+    assert r.calibrators[4].reliability()["observations"][0] == 0  # 6 steps: held, not counted yet
+    r.settle()
     rel = r.calibrators[4].reliability()
     assert rel["observations"][0] > 0 and rel["acceptance_rate"][0] == 0.0  # confident, never accepted
+
+
+def test_outcomes_are_counted_every_account_steps_and_when_read():
+    r = _runner(mode="full")
+    lc = torch.full((2, 4), math.log(0.9))
+    sampled = torch.tensor([[11, 12, -1, -1, -1], [21, -1, -1, -1, -1]])  # a accepts 1 draft, b none
+    drafts = _step(r, {}, lc)
+    for _ in range(ACCOUNT_STEPS - 2):
+        drafts = _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+    assert len(r._window) == 0 and r.steps == ACCOUNT_STEPS - 1  # held
+    drafts = _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+    assert len(r._window) == ACCOUNT_STEPS  # the eighth step counts all eight, in order
+    assert [rec.accepted for rec in r._window.records] == [0] + [1] * (ACCOUNT_STEPS - 1)
+    _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+    assert len(r._window) == ACCOUNT_STEPS and len(r.window) == ACCOUNT_STEPS + 1  # reading settles
 
 
 def test_joint_chooses_a_listed_width_from_the_cost_table():
