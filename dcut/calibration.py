@@ -40,10 +40,16 @@ class Calibrator:
     rate instead, the thin low-confidence bins of a drafter that ranks its drafts well were priced above.
     """
 
-    def __init__(self, k: int, bins: int = 10, prior: float = 4.0, min_count: int = 8) -> None:
+    def __init__(self, k: int, bins: int = 10, prior: float = 4.0, min_count: int = 8,
+                 fallback: Calibrator | None = None) -> None:
+        """``fallback``: a calibrator (of as many bins, at least ``k`` positions) whose counts a position verified
+        too rarely here takes first (``_rows``)."""
         if k < 1 or bins < 1 or prior < 0 or min_count < 0:
             raise ValueError("need k >= 1, bins >= 1, prior >= 0, min_count >= 0")
-        self.k, self.bins, self.prior, self.min_count = k, bins, prior, min_count
+        if fallback is not None and (fallback.k < k or fallback.bins != bins):
+            raise ValueError("a fallback calibrator needs as many bins and at least as many positions")
+        self.k, self.bins, self.prior, self.min_count, self.fallback = k, bins, prior, min_count, fallback
+        self.version = 0  # counts changed (a calibrator that falls back on this one rebuilds its table)
         # Per (position, raw-confidence bin): observations, acceptances, sum of raw confidence.
         self.count = torch.zeros(k, bins, dtype=torch.float64)
         self.accepted = torch.zeros(k, bins, dtype=torch.float64)
@@ -53,7 +59,7 @@ class Calibrator:
         self.cal_count = torch.zeros(k, bins, dtype=torch.float64)
         self.cal_accepted = torch.zeros(k, bins, dtype=torch.float64)
         self.cal_sum = torch.zeros(k, bins, dtype=torch.float64)
-        self._luts: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._luts: dict[torch.device, tuple[int, Tensor, Tensor]] = {}  # per device: fallback version, a, b
         self._cell_base: dict[tuple[int, torch.device], Tensor] = {}
         self._held: list[tuple[Tensor, Tensor, Tensor]] = []  # outcomes ``observe`` has not counted yet
 
@@ -97,6 +103,7 @@ class Calibrator:
         self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
         self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
         self._luts.clear()
+        self.version += 1
 
     def calibrate(self, log_conf: Tensor) -> Tensor:
         """Log of the calibrated acceptance probability, same shape and device as ``log_conf``.
@@ -129,6 +136,7 @@ class Calibrator:
             setattr(self, f, values)
         self._held = []
         self._luts.clear()
+        self.version += 1
 
     def reliability(self) -> dict[str, Any]:
         """Per-position expected calibration error of raw and of calibrated confidence.
@@ -148,31 +156,43 @@ class Calibrator:
         return (prob * self.bins).long().clamp_(0, self.bins - 1)
 
     def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with: a position
-        verified fewer than ``BORROW_BELOW`` times takes the counts of the deepest earlier position verified more
-        (why: above)."""
+        """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with. A position
+        verified fewer than ``BORROW_BELOW`` times takes the fallback's counts there, if it has enough, else
+        the counts of the deepest earlier position verified more (why: above). The fallback first: a drafter's
+        raw confidence at a deep position is distributed as at that position, not as at an earlier one (the MoE
+        pair's width 15, borrowing position 1's mapping, priced its deep drafts at 0.07 where 99 % were
+        accepted; the pooled calibrator had seen hundreds of them from width-7 blocks)."""
+        count, accepted, raw_sum = self.count, self.accepted, self.raw_sum
+        n = count.sum(1)
+        if self.fallback is not None:
+            f_count, f_accepted, f_raw = (t[: self.k] for t in self.fallback._rows())
+            use = ((n < BORROW_BELOW) & (f_count.sum(1) >= BORROW_BELOW))[:, None]
+            count, accepted, raw_sum = (torch.where(use, f, o) for f, o in
+                                        ((f_count, count), (f_accepted, accepted), (f_raw, raw_sum)))
+            n = count.sum(1)
         source, last = list(range(self.k)), None
-        for t, n in enumerate(self.count.sum(1).tolist()):
-            if n >= BORROW_BELOW:
+        for t, seen in enumerate(n.tolist()):
+            if seen >= BORROW_BELOW:
                 last = t
             elif last is not None:
                 source[t] = last
-        return self.count[source], self.accepted[source], self.raw_sum[source]
+        return count[source], accepted[source], raw_sum[source]
 
     def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(a, b)`` per (position, bin), flattened, with ``calibrated = a + b * raw``: both levels of smoothing
         are linear in raw (``_calibrated_prob`` is the same formula, written out)."""
+        version = -1 if self.fallback is None else self.fallback.version
         found = self._luts.get(device)
-        if found is None:
+        if found is None or found[0] != version:
             count, accepted, raw_sum = self._rows()
             scale = self._scales(count, accepted, raw_sum)[:, None]  # the centre: raw * scale
             denom = (count + self.prior).clamp_min(1e-12)
             used = count >= max(self.min_count, 1)
             a = torch.where(used, accepted / denom, 0.0)
             b = torch.where(used, self.prior * scale / denom, scale)
-            found = self._luts[device] = (a.reshape(-1).to(device, torch.float32),
+            found = self._luts[device] = (version, a.reshape(-1).to(device, torch.float32),
                                           b.reshape(-1).to(device, torch.float32))
-        return found
+        return found[1], found[2]
 
     def _scales(self, count: Tensor, accepted: Tensor, raw_sum: Tensor) -> Tensor:
         """Per position, acceptances over summed raw confidence, shrunk towards 1 by ``prior`` observations of a

@@ -108,10 +108,13 @@ class RunnerDCut(RunnerKnowledge):
         self.cost_table: CostTable | None = None
         self.cost_source: CostSource = "pending"
         self.cost_path: str | None = None
-        self.calibrators = {w: Calibrator(w) for w in self.widths if w} if settings.calibrate else {}
         # Mode joint drafts several widths: until a width's own calibrator has seen enough, every width's
-        # outcomes, pooled by position, calibrate it (a width first tried must not be judged on raw scores).
-        self.pooled_calibrator = Calibrator(k) if settings.calibrate and len(self.calibrators) > 1 else None
+        # outcomes, pooled by position, calibrate it (a width first tried must not be judged on raw scores);
+        # after, a position it has seen too rarely falls back on the pooled counts there.
+        multi = settings.calibrate and len([w for w in self.widths if w]) > 1
+        self.pooled_calibrator = Calibrator(k) if multi else None
+        self.calibrators = {w: Calibrator(w, fallback=self.pooled_calibrator) for w in self.widths if w
+                            } if settings.calibrate else {}
         self._window = StepWindow(settings.stats_window)
         self._held_steps: list[Held] = []  # steps not yet counted (``settle``)
         self._rescored_at = 0  # ``steps`` at the last ``WidthStats.rescore``

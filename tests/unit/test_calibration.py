@@ -98,3 +98,29 @@ def test_a_thin_bin_is_corrected_by_what_its_position_shows():
     assert 0.3 < float(out[1, 0]) < float(out[1, 1]) < 1.0  # bin 0 shared by both: counted, so near 0.97
     expected = cal._calibrated_prob(torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]])).double()).float()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_thin_position_takes_the_fallbacks_counts_before_an_earlier_positions():
+    """The MoE pair's case: position 0 confident (raw 0.9, half accepted), deeper drafts under-confident (raw 0.05,
+    all accepted). The width's own calibrator has seen position 2 too rarely and would borrow position 1's
+    mapping; the pooled calibrator has seen position 2 often, so the width takes its counts there. The table
+    follows the fallback's later updates."""
+    pooled = Calibrator(k=4, bins=10, min_count=8)
+    own = Calibrator(k=3, bins=10, min_count=8, fallback=pooled)
+    conf = torch.log(torch.tensor([[0.9, 0.9, 0.05, 0.05]] * 4))
+    for _ in range(40):  # positions 0-1: raw 0.9, position 1 half accepted; position 2: raw 0.05, accepted
+        accepted = torch.tensor([1, 1, 3, 3])
+        pooled.update(conf, torch.full((4,), 3), accepted)
+    for _ in range(10):  # the width's own: positions 0-1 well seen, position 2 only twice
+        own.update(conf[:, :3], torch.tensor([2, 2, 2, 3]), torch.tensor([1, 1, 2, 2]))
+    assert own.count.sum(1).tolist()[2] < 32 <= pooled.count.sum(1).tolist()[2]
+    probe = torch.log(torch.tensor([[0.9, 0.9, 0.05]]))
+    assert float(own.calibrate(probe).exp()[0, 2]) > 0.9  # pooled position 2: raw 0.05 is accepted
+    alone = Calibrator(k=3, bins=10, min_count=8)
+    alone.load(own.state())
+    assert float(alone.calibrate(probe).exp()[0, 2]) < 0.5  # borrowing its own position 1 (raw 0.9, half accepted)
+    for _ in range(40):  # the pooled calibrator learns position 2's drafts are now rejected
+        pooled.update(conf, torch.full((4,), 3), torch.full((4,), 2))
+    assert float(own.calibrate(probe).exp()[0, 2]) < 0.7
+    with pytest.raises(ValueError):
+        Calibrator(k=5, bins=10, fallback=pooled)
