@@ -190,8 +190,9 @@ class RunnerPolicy:
     def width(self, bs: int, last: Verified | None) -> int:
         self._last = last
         width = self.runner.choose_width(bs, self.k)
-        if self.runner._held != self._held:  # the chosen width (not an exploring or probe step) changed
-            self._held, self.converged_at = self.runner._held, self._steps
+        held = self.runner.held_width(bs)
+        if held != self._held:  # the chosen width (not an exploring or probe step) changed
+            self._held, self.converged_at = held, self._steps
         self._steps += 1
         return width
 

@@ -32,7 +32,7 @@ class Recording(RunnerPolicy):
 
     def width(self, bs: int, last: object) -> int:
         width = super().width(bs, last)
-        self.held.append(self.runner._held)
+        self.held.append(self.runner.held_width(bs))
         return width
 
 

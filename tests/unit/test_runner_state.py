@@ -96,6 +96,19 @@ def test_joint_chooses_a_listed_width_from_the_cost_table():
     assert snap.cost_source == "given" and snap.settings.mode == "joint"
 
 
+def test_hysteresis_holds_a_width_per_batch_size_bucket():
+    """Drafting is nearly free at bs 2 and dearer than it can pay at bs 8: each bucket holds its own choice, and a
+    decision at one leaves the other's alone (held engine-wide, the width of one batch size was kept at another)."""
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4], probe_share=0.0), FP, k=4)
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 10.1, 3)], 8: [(8, 10.0, 3), (40, 80.0, 3)]},
+                             draft={2: {0: (0.1, 1), 4: (0.2, 1)}, 8: {0: (0.1, 1), 4: (30.0, 1)}})
+    for bs in (2, 8, 2):
+        r.begin_step({f"r{i}": 1 for i in range(bs)}, {})
+        r.choose_width(bs, 4)
+    assert (r.held_width(1), r.held_width(2), r.held_width(5), r.held_width(8)) == (4, 4, 0, 0)
+    assert r.held_width(9) is None  # beyond the table
+
+
 def test_a_catch_up_flush_is_charged_to_width_zero_not_to_the_drafting_width():
     clock = [0.0]
     r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4]), FP, k=4, clock=lambda: clock[0])
