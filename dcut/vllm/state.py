@@ -401,7 +401,7 @@ class RunnerDCut(RunnerKnowledge):
 
     def _count(self, h: Held) -> None:
         """One held step: what its verification showed, what its drafts are priced at, its record."""
-        per_pos_kept = per_pos_acc = [0] * self.k
+        per_pos_kept, per_pos_acc = [0] * self.k, [0] * self.k
         verified, pending = h.verified, h.pending
         if verified is not None:
             kept_at, reached_at, accepted_at = position_counts(verified.num_draft, verified.accepted, self.k)
