@@ -371,8 +371,25 @@ class RunnerDCut(RunnerKnowledge):
         if self.joint and self._cycle is not None and table is not None:
             self._predict(self._cycle, table, pending, bs)
         self._finished_cycle = None
-        self._held_steps.append(Held(time.time(), bs, pending, verified, self._last, raw, step_ms, self.width,
-                                     self.probe, self._verify_ms, self._draft_ms))
+        proposed = int(pending.log_conf.numel()) if pending is not None else 0
+        decision = pending.decision if pending is not None else None
+        record = StepRecord(  # kept, budget, ratio and the per-position counts: filled in by ``_count``
+            timestamp=time.time(),
+            batch_size=bs,
+            proposed=proposed,
+            kept=proposed,
+            accepted=verified.accepted_total if verified is not None else 0,
+            accepted_per_position=[0] * self.k,
+            kept_per_position=[0] * self.k,
+            step_ms=step_ms,
+            selection_us=pending.selection_us if pending is not None else 0.0,
+            fallback=decision is not None and decision.fallback,
+            width=self.width,
+            probe=self.probe,
+            verify_ms=self._verify_ms,
+            draft_ms=self._draft_ms,
+        )
+        self._held_steps.append(Held(record, pending, verified, self._last, raw))
         self._verify_ms = self._draft_ms = None
         if len(self._held_steps) >= ACCOUNT_STEPS:
             self.settle()
@@ -401,38 +418,22 @@ class RunnerDCut(RunnerKnowledge):
 
     def _count(self, h: Held) -> None:
         """One held step: what its verification showed, what its drafts are priced at, its record."""
-        per_pos_kept, per_pos_acc = [0] * self.k, [0] * self.k
-        verified, pending = h.verified, h.pending
+        record, verified, pending = h.record, h.verified, h.pending
         if verified is not None:
             kept_at, reached_at, accepted_at = position_counts(verified.num_draft, verified.accepted, self.k)
-            per_pos_kept, per_pos_acc = kept_at.tolist(), accepted_at.tolist()
+            record.kept_per_position, record.accepted_per_position = kept_at.tolist(), accepted_at.tolist()
             if self.joint:
                 self.width_stats.observe(verified.width, reached_at, accepted_at)
             self._update_calibration(verified, h.last)
         if pending is not None and pending.expected is not None and h.raw is not None:
-            self.width_stats.observe_scores(h.raw.shape[-1], pending.expected, h.batch_size)
+            self.width_stats.observe_scores(h.raw.shape[-1], pending.expected, record.batch_size)
             self.width_stats.observe_block(h.raw)
         decision = pending.decision if pending is not None else None
-        proposed = int(pending.log_conf.numel()) if pending is not None else 0
-        kept = int(decision.kept) if decision is not None else proposed
-        record = StepRecord(
-            timestamp=h.timestamp,
-            batch_size=h.batch_size,
-            proposed=proposed,
-            kept=kept,
-            accepted=verified.accepted_total if verified is not None else 0,
-            accepted_per_position=per_pos_acc,
-            kept_per_position=per_pos_kept,
-            ratio=kept / proposed if proposed else 1.0,
-            budget=int(decision.budget) if decision is not None else kept,
-            step_ms=h.step_ms,
-            selection_us=pending.selection_us if pending is not None else 0.0,
-            fallback=decision is not None and decision.fallback,
-            width=h.width,
-            probe=h.probe,
-            verify_ms=h.verify_ms,
-            draft_ms=h.draft_ms,
-        )
+        if decision is not None:  # read off the device only now
+            record.kept, record.budget = int(decision.kept), int(decision.budget)
+        else:
+            record.budget = record.kept
+        record.ratio = record.kept / record.proposed if record.proposed else 1.0
         self._window.add(record)
         prometheus.observe(record, self.fingerprint.model)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from dcut.selection import Decision
+from dcut.telemetry import StepRecord
 from dcut.width import WidthChoice
 
 
@@ -56,19 +57,14 @@ class LastDrafts:
 
 @dataclass
 class Held:
-    """One step's outcomes, held for ``RunnerDCut.settle`` to count with the next steps' (``ACCOUNT_STEPS``)."""
+    """One step, held for ``RunnerDCut.settle`` to count with the next steps' (``ACCOUNT_STEPS``): its record, whose
+    per-position counts and device-side figures (kept, budget, ratio) are filled in then, and what they come from."""
 
-    timestamp: float
-    batch_size: int
+    record: StepRecord
     pending: Pending | None
     verified: Verified | None
     last: LastDrafts | None  # the drafts ``verified`` is the outcome of
     raw: Tensor | None  # this step's raw log-confidences, on the host
-    step_ms: float
-    width: int
-    probe: bool
-    verify_ms: float | None
-    draft_ms: float | None
 
 
 @dataclass
