@@ -140,6 +140,7 @@ class RunnerDCut(RunnerKnowledge):
         self._last_log = time.monotonic()
         self._gap_ms: float | None = None  # the engine's time between the last drafting pass and this step
         self._zero_cycles = 0  # width-0 cycles whose drafter writes wait in the catch-up stash
+        self._zero_rows = 0  # and the rows they stashed (about a row per request)
         self.calibrating = CALIBRATE_REQUESTS if self.joint and self.calibrators else 0  # requests left to verify
         self.tracer = TraceWriter(k, {"fingerprint": fingerprint.model_dump(), "k": k}) if settings.trace else None
         self.trace_widths = [w for w in settings.trace_widths if w <= k] or [k]
@@ -235,17 +236,19 @@ class RunnerDCut(RunnerKnowledge):
         cover = None if self.cost_table is None else self.cost_table.covering(bs)
         return None if cover is None else self._held.get(cover)
 
-    def on_flush(self, ms: float) -> None:
-        """The width-0 steps' deferred drafter writes (``dcut.vllm.catch_up``) were just paid, inside this
-        drafting pass: they are the width-0 steps' cost, not this width's. Taken off this pass's drafter time
-        and charged, spread evenly, to the width-0 cycles that deferred them (otherwise width 0 looks cheaper
-        than it is and whichever width drafts next, dearer: a bias that kept joint at width 0)."""
+    def on_flush(self, ms: float, rows: int) -> None:
+        """The width-0 steps' deferred drafter writes (``dcut.vllm.catch_up``, ``rows`` rows) were just paid,
+        inside this drafting pass: they are the width-0 steps' cost, not this width's. Taken off this pass's
+        drafter time, and the counted width-0 cycles' rows' share of it charged to them (otherwise width 0
+        looks cheaper than it is and whichever width drafts next, dearer: a bias that kept joint at width 0).
+        Only their share: the stash also holds the prompts of requests admitted at width 0, a pass a drafting
+        width pays too, outside its cycles (charged whole, width 0 looked a third as fast as it was)."""
         if self._draft_start is not None:
             self._draft_start += ms / 1000.0
         bucket = None if self.cost_table is None else self.cost_table.covering(self._step_bs)
-        if bucket is not None and self._zero_cycles:
-            self.realized.charge(bucket, 0, ms / self._zero_cycles)
-        self._zero_cycles = 0
+        if bucket is not None and self._zero_cycles and rows > 0:
+            self.realized.charge(bucket, 0, ms * min(1.0, self._zero_rows / rows), self._zero_cycles)
+        self._zero_cycles = self._zero_rows = 0
 
     def _full_step_ms(self, bs: int, width: int) -> float | None:
         """Estimated step time drafting ``width`` and verifying all of it (a probe)."""
@@ -367,7 +370,9 @@ class RunnerDCut(RunnerKnowledge):
         # A probe verifies everything, which the policy would not: it teaches acceptance, not the width's rate.
         if c is not None and self.joint and c.clean and not c.probe and self._step_shape is not None:
             self.realized.add(c.bucket, c.width, self._emitted, c.ms, c.predicted_tokens, c.predicted_ms)
-            self._zero_cycles += c.width == 0
+            if c.width == 0:
+                self._zero_cycles += 1
+                self._zero_rows += bs
         if self.joint and self._cycle is not None and table is not None:
             self._predict(self._cycle, table, pending, bs)
         self._finished_cycle = None

@@ -108,9 +108,9 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
             drafts = torch.empty(len(req_ids), 0, dtype=torch.int64, device=self.device)
         else:
             if stash:
-                start = time.perf_counter()
+                rows, start = len(stash), time.perf_counter()
                 stash.flush(self.drafter.model)  # before the drafter reads its cache
-                state.on_flush((time.perf_counter() - start) * 1000.0)
+                state.on_flush((time.perf_counter() - start) * 1000.0, rows)
             if width != scheduler_output.num_spec_tokens_to_schedule:
                 scheduler_output = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=width)
             drafts = original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

@@ -179,10 +179,11 @@ def test_report_of_every_arm(arm_apps, tmp_path):
             assert s["mean_accepted_length"] is None and s["keep_ratio"] is None, where
         else:  # the replica's step totals moved during the point
             assert s["mean_accepted_length"] is not None and 0 <= s["mean_accepted_length"] <= 7, where
-            # joint may draft nothing over a whole point (width 0): no step proposed a draft, no keep ratio
-            assert s["keep_ratio"] is None and p["arm"] == "joint" or 0 < s["keep_ratio"] <= 1, where
             if p["arm"] in ("full", "dynamic"):  # every draft verified
                 assert s["keep_ratio"] == pytest.approx(1.0), where
+            else:  # joint may draft nothing over a whole point (width 0: no keep ratio), or draft and keep
+                # nothing (this tiny pair's drafts are never accepted, and the cut learns it)
+                assert s["keep_ratio"] is None or 0 <= s["keep_ratio"] <= 1, where
     assert [r["requests_log"].startswith("raw/") for r in record["runs"]] == [True] * len(runs)
     assert all((out / r["requests_log"]).stat().st_size > 0 for r in record["runs"])
 

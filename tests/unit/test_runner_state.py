@@ -117,7 +117,27 @@ def test_a_catch_up_flush_is_charged_to_width_zero_not_to_the_drafting_width():
     r.choose_width(2, 4)
     r.width = 4
     clock[0] += 0.005  # 5 ms of deferred drafter writes, then 1 ms drafting
-    r.on_flush(5.0)
+    r.on_flush(5.0, rows=10)
     clock[0] += 0.001
     r.on_drafted(REQS, torch.zeros(2, 4), None, None)
     assert r._draft_ms == pytest.approx(1.0)
+
+
+def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
+    """Four width-0 cycles of 10 ms at bs 2 stashed 8 rows of the 80 flushed (the rest: prompts of requests admitted
+    at width 0, a pass every drafting width pays too, outside its cycles): their 8 ms flush adds 0.8 ms, 0.2 a
+    cycle."""
+    clock = [0.0]
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0], probe_share=0.0), FP, k=4,
+                   clock=lambda: clock[0])
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 11.0, 3)]}, draft={2: {0: (0.1, 1), 4: (1.0, 1)}})
+    for _ in range(6):  # the first step opens a cycle, the last is not finished yet: four counted
+        r.begin_step({q: 1 for q in REQS}, {})
+        r.width = r.choose_width(2, 4)
+        r.on_drafted(REQS, None, None, None)
+        r.cut(REQS, [[], []])
+        clock[0] += 0.010
+    assert r.realized.summary()["2/0"]["samples"] == 4
+    assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(200.0)
+    r.on_flush(8.0, rows=80)
+    assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(1000.0 * 2 / 10.2)

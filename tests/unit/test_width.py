@@ -229,8 +229,21 @@ def test_noisy_estimates_need_a_clear_lead_to_switch() -> None:
 def test_deferred_work_is_charged_to_the_width_that_deferred_it() -> None:
     rates = RealizedRates(min_samples=1, min_requests=1)
     rates.add(4, 0, tokens=4.0, ms=4.0, predicted_tokens=4.0, predicted_ms=4.0)
-    rates.charge(4, 0, 2.0)
+    rates.charge(4, 0, 2.0, cycles=1)
     (zero,) = rates.apply(4, [WidthChoice(0, 0, 1.0, 1.0)])
     assert zero.step_ms == pytest.approx(6.0)
-    rates.charge(4, 7, 2.0)  # an unmeasured width: nothing to charge
+    rates.charge(4, 7, 2.0, cycles=1)  # an unmeasured width: nothing to charge
     assert rates.samples(4, 7) == 0
+
+
+@pytest.mark.parametrize("every", [1, 2, 5])
+def test_deferred_work_paid_every_few_cycles_adds_its_share_and_no_more(every: int) -> None:
+    """Cycles of 10 ms that each deferred 5 ms, paid every ``every`` cycles: the width's cycles cost 15 ms. Charged
+    to the long-run mean whole, each payment raised the older cycles too, and the mean ran away (every 2: 136 ms,
+    every 1: 260)."""
+    rates = RealizedRates(min_samples=1, min_requests=1)
+    for i in range(1, 2001):
+        rates.add(4, 0, tokens=4.0, ms=10.0, predicted_tokens=4.0, predicted_ms=10.0)
+        if i % every == 0:
+            rates.charge(4, 0, 5.0 * every, cycles=every)
+    assert rates.summary()["4/0"]["tokens_per_s"] == pytest.approx(1000.0 * 4 / 15, rel=0.02)
