@@ -202,7 +202,8 @@ class RunnerDCut(RunnerKnowledge):
         def samples(w: int) -> float:  # fresh requests measured at w
             return self.realized.fresh(bucket, w) * bucket
 
-        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, samples, decision.step_ms.get)
+        explore = self.explorer.pick(chosen, self.widths, decision.optimistic,
+                                     functools.partial(self.realized.fresh, bucket), bucket, decision.step_ms.get)
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width

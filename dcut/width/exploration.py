@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from dcut.width.choice import WidthChoice
 
 EXPLORE_SHARE = 0.2  # at most this share of step time tries widths that might beat the current choice
-EXPLORE_REQUESTS = 32  # a width measured on this many fresh requests at a batch size is judged on its rate alone
+EXPLORE_REQUESTS = 32  # a width measured on this many fresh requests at a batch size,
+EXPLORE_CYCLES = 8  # over at least this many fresh cycles, is judged on its rate alone
 
 
 class _StepCredit:
@@ -33,22 +34,26 @@ class Explorer(_StepCredit):
 
     A width is a candidate while its optimistic tokens/s (``RealizedRates.optimistic`` over an
     optimistic model) beats the chosen width's and it has been measured on fewer than ``requests``
-    fresh requests at this batch size (``samples``); an exploring step drafts it and verifies as the
-    policy would, so what it delivers is what the width is worth. The most promising candidate goes
-    first; a dear one waits until the credit covers its step. Candidates run out as measurements
-    tighten the bounds, and then nothing is spent: exploration is a phase, not a tax.
+    fresh requests or ``cycles`` fresh cycles at this batch size (``cycles(w)``, of ``bs`` requests
+    each); an exploring step drafts it and verifies as the policy would, so what it delivers is what
+    the width is worth. Cycles as well as requests: a cycle's time is one measurement whatever its
+    batch size, and at bs 64 one cycle passed for a measured width (live, width 0's few cycles there
+    beat the held width's rate and were never added to). The most promising candidate goes first; a
+    dear one waits until the credit covers its step. Candidates run out as measurements tighten the
+    bounds, and then nothing is spent: exploration is a phase, not a tax.
     """
 
-    def __init__(self, share: float = EXPLORE_SHARE, requests: int = EXPLORE_REQUESTS) -> None:
+    def __init__(self, share: float = EXPLORE_SHARE, requests: int = EXPLORE_REQUESTS,
+                 cycles: int = EXPLORE_CYCLES) -> None:
         super().__init__(share)
-        self.requests = requests
+        self.requests, self.cycles = requests, cycles
 
     def pick(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
-             samples: Callable[[int], float], step_ms: Callable[[int], float | None]) -> int | None:
+             cycles: Callable[[int], float], bs: int, step_ms: Callable[[int], float | None]) -> int | None:
         """A width to try this step, or None."""
         candidates = [(rate, w) for w, rate in zip(widths, optimistic, strict=True)
                       if w != chosen.width and rate is not None and rate > chosen.tokens_per_s
-                      and samples(w) < self.requests]
+                      and (cycles(w) < self.cycles or cycles(w) * bs < self.requests)]
         if not candidates or self.share <= 0:
             return None
         self.credit += self.share

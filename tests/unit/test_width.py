@@ -158,7 +158,7 @@ def test_the_explorer_tries_only_widths_that_might_win_and_stops_once_measured()
     measured = {7: 0.0}
     picks = []
     for _ in range(40):
-        w = explorer.pick(chosen, widths, optimistic, lambda w: measured.get(w, 0.0), lambda w: 10.0)
+        w = explorer.pick(chosen, widths, optimistic, lambda w: measured.get(w, 0.0), 1, lambda w: 10.0)
         picks.append(w)
         if w is not None:
             measured[w] = measured.get(w, 0.0) + 1
@@ -167,10 +167,23 @@ def test_the_explorer_tries_only_widths_that_might_win_and_stops_once_measured()
     assert picks[-1] is None and sum(w is not None for w in picks[:16]) == 8  # half the steps while exploring
 
 
+def test_at_a_large_batch_a_width_is_explored_for_cycles_not_only_requests() -> None:
+    """At bs 64 one cycle is 64 requests, but one measurement of a step's time: a width that might win is tried
+    until it has ``cycles`` cycles (live, width 0's few cycles at bs 64 were never added to)."""
+    explorer = Explorer(share=1.0, requests=32, cycles=8)
+    chosen = WidthChoice(7, 7, 64.0, 30.0)
+    measured = {0: 0.0}
+    for _ in range(20):
+        w = explorer.pick(chosen, [0, 7], [2500.0, 2100.0], lambda w: measured[w], 64, lambda w: 25.0)
+        if w is not None:
+            measured[w] += 1
+    assert measured[0] == 8
+
+
 def test_a_dear_width_waits_for_its_credit() -> None:
     explorer = Explorer(share=0.2, requests=100)
     chosen = WidthChoice(0, 0, 10.0, 10.0)
-    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 0.0, lambda w: 50.0) for _ in range(50)]
+    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 0.0, 1, lambda w: 50.0) for _ in range(50)]
     assert sum(p is not None for p in picks) == 2  # each try costs 5 chosen steps: 20% of the time
 
 
