@@ -11,6 +11,7 @@ from dcut.width.acceptance import OPTIMISM
 from dcut.width.choice import WidthChoice
 
 SHRINK_REQUESTS = 256  # requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled
+STALL = 3.0  # a cycle is counted at most this many times its predicted time (longer: a stall, not the width's cost)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class RealizedRates:
             predicted_ms: float) -> None:
         if ms <= 0 or predicted_ms <= 0:
             return
+        # A stall (a cold engine after another ran, a shape met for the first time, the OS) is not what the width
+        # costs, and a mean over a few dozen cycles cannot shrug it off: live, a width explored on 13 cycles at such
+        # a moment was measured at a quarter of its rate and, measured, not tried again.
+        ms = min(ms, STALL * predicted_ms)
         tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
         rate = predicted_tokens / predicted_ms
         c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))

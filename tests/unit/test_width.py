@@ -249,6 +249,14 @@ def test_deferred_work_is_charged_to_the_width_that_deferred_it() -> None:
     assert rates.samples(4, 7) == 0
 
 
+def test_a_stalled_cycle_costs_a_width_at_most_a_few_cycles_worth() -> None:
+    """Twelve 10 ms cycles and one of 500 ms (a stall): the width is measured near 10 ms a cycle, not at 48."""
+    rates = RealizedRates(min_samples=1, min_requests=1)
+    for ms in [10.0] * 6 + [500.0] + [10.0] * 6:
+        rates.add(4, 7, tokens=40.0, ms=ms, predicted_tokens=40.0, predicted_ms=10.0)
+    assert rates.summary()["4/7"]["tokens_per_s"] == pytest.approx(1000.0 * 40 / (10.0 + 20.0 / 13))
+
+
 @pytest.mark.parametrize("every", [1, 2, 5])
 def test_deferred_work_paid_every_few_cycles_adds_its_share_and_no_more(every: int) -> None:
     """Cycles of 10 ms that each deferred 5 ms, paid every ``every`` cycles: the width's cycles cost 15 ms. Charged
