@@ -62,8 +62,8 @@ class RealizedRates:
         if ms <= 0 or predicted_ms <= 0:
             return
         # A stall (a cold engine after another ran, a shape met for the first time, the OS) is not what the width
-        # costs, and a mean over a few dozen cycles cannot shrug it off: live, a width explored on 13 cycles at such
-        # a moment was measured at a quarter of its rate and, measured, not tried again.
+        # costs, and a mean over the few dozen cycles a width is explored on cannot shrug one off (logged live on
+        # the MoE pair: single cycles at 3.6-5x their predicted time, 19.5 ms against 4).
         ms = min(ms, STALL * predicted_ms)
         tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
         rate = predicted_tokens / predicted_ms
