@@ -242,8 +242,8 @@ class RunnerDCut(RunnerKnowledge):
         inside this drafting pass: they are the width-0 steps' cost, not this width's. Taken off this pass's
         drafter time, and the counted width-0 cycles' rows' share of it charged to them (otherwise width 0
         looks cheaper than it is and whichever width drafts next, dearer: a bias that kept joint at width 0).
-        Only their share: the stash also holds the prompts of requests admitted at width 0, a pass a drafting
-        width pays too, outside its cycles (charged whole, width 0 looked a third as fast as it was)."""
+        Only their share: the stash also holds the prompts of requests admitted at width 0, a pass every drafting
+        width pays too, whatever its width."""
         if self._draft_start is not None:
             self._draft_start += ms / 1000.0
         bucket = None if self.cost_table is None else self.cost_table.covering(self._step_bs)

@@ -125,7 +125,7 @@ def test_a_catch_up_flush_is_charged_to_width_zero_not_to_the_drafting_width():
 
 def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
     """Four width-0 cycles of 10 ms at bs 2 stashed 8 rows of the 80 flushed (the rest: prompts of requests admitted
-    at width 0, a pass every drafting width pays too, outside its cycles): their 8 ms flush adds 0.8 ms, 0.2 a
+    at width 0, a pass every drafting width pays too, whatever its width): their 8 ms flush adds 0.8 ms, 0.2 a
     cycle."""
     clock = [0.0]
     r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0], probe_share=0.0), FP, k=4,
