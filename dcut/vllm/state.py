@@ -199,15 +199,12 @@ class RunnerDCut(RunnerKnowledge):
             self.width = self.widths[0]
             return self.width
 
-        def samples(w: int) -> float:  # fresh requests measured at w
-            return self.realized.fresh(bucket, w) * bucket
-
-        explore = self.explorer.pick(chosen, self.widths, decision.optimistic,
-                                     functools.partial(self.realized.fresh, bucket), bucket, decision.step_ms.get)
+        fresh = functools.partial(self.realized.fresh, bucket)  # fresh cycles measured at a width, of bucket requests
+        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, fresh, bucket, decision.step_ms.get)
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width
-        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), samples)
+        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), fresh)
         self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
         return self.width
 

@@ -77,7 +77,7 @@ class ProbeBudget(_StepCredit):
         self._next = 0
 
     def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
-              samples: Callable[[int], int] | None = None) -> int | None:
+              samples: Callable[[int], float] | None = None) -> int | None:
         """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
         ``samples(w)``: how much is known of w already (the least known is probed first)."""
         if self.share <= 0:
