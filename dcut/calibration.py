@@ -99,7 +99,9 @@ class Calibrator:
         observed = (positions <= acc) & (positions < proposed)
         hit = (positions < acc).to(torch.float64)
         raw = _prob(log_conf)
-        calibrated = self._calibrated_prob(log_conf)  # before counting this step
+        # The prediction before counting this step (the out-of-sample reliability), from the table the step's
+        # drafts were priced with: rebuilding the smoothed rates on the host cost more than the counting.
+        calibrated = self.calibrate(log_conf).exp().to(torch.float64)
         self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
         self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
         self._luts.clear()
@@ -180,7 +182,7 @@ class Calibrator:
 
     def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(a, b)`` per (position, bin), flattened, with ``calibrated = a + b * raw``: both levels of smoothing
-        are linear in raw (``_calibrated_prob`` is the same formula, written out)."""
+        are linear in raw (``tests/unit/test_calibration.py`` writes the formula out and checks the table against it)."""
         version = -1 if self.fallback is None else self.fallback.version
         found = self._luts.get(device)
         if found is None or found[0] != version:
@@ -205,19 +207,6 @@ class Calibrator:
         if key not in self._cell_base:
             self._cell_base[key] = torch.arange(k, device=device) * self.bins
         return self._cell_base[key]
-
-    def _calibrated_prob(self, log_conf: Tensor) -> Tensor:
-        """The bin's rate, smoothed towards raw scaled by its position's ratio; a thin bin takes the scaled raw
-        value, a thin position raw (``[n, k]``, on the CPU: the out-of-sample reliability). At most 1."""
-        raw = _prob(log_conf)
-        positions = torch.arange(log_conf.shape[-1])
-        cell = positions * self.bins + self._bin(raw)
-        count, accepted, raw_sum = self._rows()
-        centre = raw * self._scales(count, accepted, raw_sum)[positions]
-        n, a = count.reshape(-1)[cell], accepted.reshape(-1)[cell]
-        smoothed = (a + self.prior * centre) / (n + self.prior).clamp_min(1e-12)
-        smoothed = torch.where(n >= max(self.min_count, 1), smoothed, centre)
-        return smoothed.clamp(max=1.0)
 
     def _count(self, count: Tensor, accepted: Tensor, conf_sum: Tensor, prob: Tensor,
                observed: Tensor, hit: Tensor) -> None:
