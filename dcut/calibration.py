@@ -182,7 +182,7 @@ class Calibrator:
 
     def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(a, b)`` per (position, bin), flattened, with ``calibrated = a + b * raw``: both levels of smoothing
-        are linear in raw (``tests/unit/test_calibration.py`` writes the formula out and checks the table against it)."""
+        are linear in raw (``tests/unit/test_calibration.py`` writes the formula out, and checks the table by it)."""
         version = -1 if self.fallback is None else self.fallback.version
         found = self._luts.get(device)
         if found is None or found[0] != version:
