@@ -34,14 +34,21 @@ def per_request_gains(cumulative: Tensor, bs: int) -> Tensor:
     return (cumulative[..., :: bs] / bs).diff(dim=-1)  # the top j*bs drafts, per request
 
 
-def position_counts(verified: Tensor, accepted: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+def position_counts(verified: Tensor, accepted: Tensor, k: int, step: Tensor | None = None,
+                    steps: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     """Per draft position t < k, over requests: how many verified draft t, how many reached it
     (verified it with every earlier draft accepted), how many accepted it. Request i verified its
-    first ``verified[i]`` drafts and the first ``accepted[i]`` of those were accepted."""
+    first ``verified[i]`` drafts and the first ``accepted[i]`` of those were accepted. With ``step``
+    (request i's step, of ``steps``): the counts of each step, ``[steps, k]``."""
     positions = torch.arange(k).unsqueeze(0)
     n = verified.to(torch.int64).clamp(0, k).unsqueeze(1)
     a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
-    return (positions < n).sum(0), ((positions < n) & (positions <= a)).sum(0), (positions < a).sum(0)
+    masks = (positions < n, (positions < n) & (positions <= a), positions < a)
+    if step is None:
+        return masks[0].sum(0), masks[1].sum(0), masks[2].sum(0)
+    counts = torch.zeros(3, steps, k, dtype=torch.int64)
+    counts.index_add_(1, step, torch.stack(masks).to(torch.int64))
+    return counts[0], counts[1], counts[2]
 
 
 class WidthStats:
@@ -138,11 +145,11 @@ class WidthStats:
         self.expected_requests = torch.tensor(expected_requests, dtype=torch.float64)
         self._survival = {}
 
-    def conditional(self) -> Tensor:
+    def conditional(self) -> np.ndarray:
         """``q[w, t]``, Beta-smoothed towards the pooled rate of position t over all widths."""
-        pooled = (self.accepted.sum(0) + self.prior_weight * self.prior_q) / (
-            self.reached.sum(0) + self.prior_weight)
-        return (self.accepted + self.prior_weight * pooled) / (self.reached + self.prior_weight)
+        accepted, reached = self.accepted.numpy(), self.reached.numpy()
+        pooled = (accepted.sum(0) + self.prior_weight * self.prior_q) / (reached.sum(0) + self.prior_weight)
+        return (accepted + self.prior_weight * pooled) / (reached + self.prior_weight)
 
     def survival(self, optimism: float = 0.0) -> np.ndarray:
         """``s[w, t]`` = P(drafts 0..t of a width-w block all accepted); 0 past each width.
@@ -156,27 +163,26 @@ class WidthStats:
         there is evidence. Recomputed only after new observations
         (it is read before every drafting pass)."""
         found = self._survival.get(optimism)
-        if found is None:
+        if found is None:  # numpy: a few dozen operations on [widths, k] arrays, a few times cheaper than torch's
+            z, prior = optimism, self.prior_weight
             q = self.conditional()
-            if optimism:
-                q = (q + optimism * (q * (1 - q) / (self.reached + self.prior_weight)).sqrt()).clamp(max=1.0)
-            s = q.cumprod(dim=1)
+            if z:
+                q = np.minimum(q + z * np.sqrt(q * (1 - q) / (self.reached.numpy() + prior)), 1.0)
+            s = np.cumprod(q, axis=1)
             # Drafted widths: what their confidences predict. Widths not drafted yet: where a wider block was
             # drafted, what its confidences predict at the same positions (pooled over blocks, by requests).
-            requests = self.expected_requests.unsqueeze(1) * (torch.arange(self.k).unsqueeze(0)
-                                                              < torch.tensor(self.widths).unsqueeze(1))
+            expected, drafted = self.expected.numpy(), self.expected_requests.numpy()
+            beyond = np.arange(self.k)[None, :] >= np.asarray(self.widths)[:, None]
+            requests = drafted[:, None] * ~beyond
             pooled_n = requests.sum(0)
-            pooled = (requests * self.expected).sum(0) / pooled_n.clamp(min=1e-9)
-            scored = self.expected_requests > 0
-            e = torch.where(scored.unsqueeze(1), self.expected, pooled.unsqueeze(0))
-            n = torch.where(scored.unsqueeze(1), self.expected_requests.unsqueeze(1), pooled_n.unsqueeze(0))
-            if optimism:  # the same bound, on as many observations as requests drafted at those positions
-                e = (e + optimism * (e * (1 - e) / (n + self.prior_weight)).clamp(min=0).sqrt()).clamp(max=1.0)
-                e = e.cummin(dim=1).values
-            s = torch.where(n > 0, e, s)
-            widths = torch.tensor(self.widths).unsqueeze(1)
-            found = s.masked_fill(torch.arange(self.k).unsqueeze(0) >= widths, 0.0).numpy()
-            self._survival[optimism] = found
+            pooled = (requests * expected).sum(0) / np.maximum(pooled_n, 1e-9)
+            scored = (drafted > 0)[:, None]
+            e = np.where(scored, expected, pooled[None, :])
+            n = np.where(scored, drafted[:, None], pooled_n[None, :])
+            if z:  # the same bound, on as many observations as requests drafted at those positions
+                e = np.minimum(e + z * np.sqrt(np.maximum(e * (1 - e) / (n + prior), 0.0)), 1.0)
+                e = np.minimum.accumulate(e, axis=1)
+            found = self._survival[optimism] = np.where(beyond, 0.0, np.where(n > 0, e, s))
         return found
 
     def observations(self) -> dict[int, int]:

@@ -10,7 +10,7 @@ import torch
 
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.settings import DCutSettings
-from dcut.vllm.state import ACCOUNT_STEPS, RunnerDCut
+from dcut.vllm.state import ACCOUNT_STEPS, CALIBRATION_STEPS, RunnerDCut
 
 FP = Fingerprint(hardware="cpu", model="m", drafter="d", k=4)
 REQS = ["a", "b"]
@@ -80,6 +80,34 @@ def test_outcomes_are_counted_every_account_steps_and_when_read():
     assert [rec.accepted for rec in r._window.records] == [0] + [1] * (ACCOUNT_STEPS - 1)
     _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
     assert len(r._window) == ACCOUNT_STEPS and len(r.window) == ACCOUNT_STEPS + 1  # reading settles
+
+
+def test_calibrators_count_every_calibration_steps_and_first_when_decisions_begin():
+    """Calibration updates are the dearest part of a step's accounting: they wait for ``CALIBRATION_STEPS`` steps
+    of outcomes, except the first, which the first decisions after the calibration phase must see."""
+    r = _runner(mode="full", calibrate=True)
+    lc = torch.full((2, 4), math.log(0.9))
+    sampled = torch.tensor([[11, 12, -1, -1, -1], [21, -1, -1, -1, -1]])
+    drafts = _step(r, {}, lc)
+    counted = []
+    for _ in range(CALIBRATION_STEPS + ACCOUNT_STEPS):
+        drafts = _step(r, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+        counted.append(float(r.calibrators[4].count.sum()))  # the counts, without flushing what is held
+    at = ACCOUNT_STEPS - 2  # the loop's step that is the engine's ACCOUNT_STEPS-th: the first settle
+    first = counted[at]
+    assert first > 0 and counted[:at] == [0.0] * at  # the first settle counts
+    assert set(counted[at:at + CALIBRATION_STEPS]) == {first}  # then the outcomes wait
+    assert counted[at + CALIBRATION_STEPS] > first
+
+    joint = _runner(mode="joint", calibrate=True)
+    joint.cost_table, joint.cost_source = CostTable(FP, {2: [(2, 10.0, 3), (10, 11.0, 3)]}, draft={
+        2: {w: (1.0, 3) for w in (0, 1, 2, 3, 4)}}), "given"
+    joint.calibrating = 6  # three probe steps at bs 2
+    drafts = _step(joint, {}, lc)
+    for _ in range(3):
+        drafts = _step(joint, {"a": drafts[0], "b": drafts[1]}, lc, sampled)
+    assert joint.calibrating <= 0 and joint.steps < ACCOUNT_STEPS
+    assert float(joint.calibrators[4].count.sum()) > 0  # the first decision settled and counted the probes
 
 
 def test_joint_chooses_a_listed_width_from_the_cost_table():

@@ -104,3 +104,23 @@ def test_throughput_capacity_demand() -> None:
     # in demand's units: a replica holding as many requests as it can run at the objective is fully used
     assert demand(running=4, waiting=0, per_request_rate=40.0) == capacity(est, 40.0)
     assert demand(running=3, waiting=2, per_request_rate=20.0) == 100.0
+
+
+def test_prometheus_counts_a_few_steps_at_once_as_each_step_alone() -> None:
+    from prometheus_client import REGISTRY
+
+    from dcut.vllm import prometheus
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model_name": "batched", **labels}) or 0.0
+
+    steps = [record(2, 8, 4, [2, 1, 0, 0], [2, 2, 0, 0]), record(2, 0, 0, [0] * 4, [0] * 4),
+             record(1, 4, 3, [1, 1, 1, 0], [1, 1, 1, 0])]
+    for r in steps:
+        r.ratio, r.budget = (r.kept / r.proposed if r.proposed else 1.0), r.kept
+    prometheus.observe(steps, "batched")
+    assert sample("vllm:dcut_steps_total") == 3
+    assert sample("vllm:dcut_drafts_kept_total") == 7 and sample("vllm:dcut_drafts_accepted_total") == 6
+    assert sample("vllm:dcut_verify_tokens_total") == 5 + 7  # bs + kept drafts, summed over the steps
+    assert [sample("vllm:dcut_drafts_accepted_per_pos_total", position=str(p)) for p in (1, 2, 3, 4)] == [3, 2, 1, 0]
+    assert sample("vllm:dcut_keep_ratio_count") == 2  # steps that proposed drafts, each observed

@@ -41,6 +41,16 @@ def test_width_stats_count_reached_positions_per_width() -> None:
     assert stats.observations() == {2: 0, 4: 3}
 
 
+def test_position_counts_of_several_steps_at_once_are_each_steps_own() -> None:
+    steps = [(torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2])), (torch.tensor([3]), torch.tensor([0])),
+             (torch.tensor([2, 1]), torch.tensor([2, 1]))]
+    step = torch.repeat_interleave(torch.arange(3), torch.tensor([len(v) for v, _ in steps]))
+    together = position_counts(torch.cat([v for v, _ in steps]), torch.cat([a for _, a in steps]), 4, step, 3)
+    for i, (verified, accepted) in enumerate(steps):
+        for mine, alone in zip(together, position_counts(verified, accepted, 4), strict=True):
+            assert mine[i].tolist() == alone.tolist()
+
+
 def test_unobserved_width_borrows_the_pooled_rate() -> None:
     stats = WidthStats([2, 4], k=4, prior_q=0.5, prior_weight=2.0)
     for _ in range(50):
