@@ -65,29 +65,30 @@ class WidthStats:
         self.widths = list(widths)
         self.k = k
         self.prior_q, self.prior_weight, self.cap = prior_q, prior_weight, cap
-        self.reached = torch.zeros(len(self.widths), k, dtype=torch.float64)
-        self.accepted = torch.zeros(len(self.widths), k, dtype=torch.float64)
+        # numpy: the counts are small and read on the host (a torch op on them costs several numpy ones)
+        self.reached = np.zeros((len(self.widths), k))
+        self.accepted = np.zeros((len(self.widths), k))
         self._index = {w: i for i, w in enumerate(self.widths)}
         self._survival: dict[float, np.ndarray] = {}
         # Mean (calibrated) prefix score of every drafted block, per width: the survival the drafter's own
         # confidences predict, over all drafts, cut or not.
-        self.expected = torch.zeros(len(self.widths), k, dtype=torch.float64)
-        self.expected_requests = torch.zeros(len(self.widths), dtype=torch.float64)
+        self.expected = np.zeros((len(self.widths), k))
+        self.expected_requests = np.zeros(len(self.widths))
         self._blocks: dict[int, deque[Tensor]] = {w: deque(maxlen=BLOCKS) for w in self.widths if w}
 
-    def observe(self, width: int, reached: Tensor, accepted: Tensor) -> None:
-        """Count one step's per-position ``reached`` and ``accepted`` (``position_counts``) for ``width``."""
+    def observe(self, width: int, reached: Tensor | np.ndarray, accepted: Tensor | np.ndarray) -> None:
+        """Count per-position ``reached`` and ``accepted`` (``position_counts``, on the host) for ``width``."""
         i = self._index.get(width)
         if i is None or width == 0:
             return
-        self.reached[i] += reached.to(torch.float64)
-        self.accepted[i] += accepted.to(torch.float64)
+        self.reached[i] += np.asarray(reached, dtype=np.float64)
+        self.accepted[i] += np.asarray(accepted, dtype=np.float64)
         self._survival = {}
         self._cap()
 
     def _cap(self) -> None:
         """Scale a width's counts down together where they pass ``cap`` (so the estimate follows the workload)."""
-        scale = self.cap / self.reached.max(dim=1, keepdim=True).values.clamp(min=self.cap)
+        scale = self.cap / np.maximum(self.reached.max(axis=1, keepdims=True), self.cap)
         self.reached *= scale
         self.accepted *= scale
 
@@ -103,7 +104,7 @@ class WidthStats:
             return
         n = float(self.expected_requests[i])
         w = max(weight, requests / (n + requests))
-        self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu() - self.expected[i, :width])
+        self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu().numpy() - self.expected[i, :width])
         self.expected_requests[i] += requests
         self._survival = {}
 
@@ -132,22 +133,22 @@ class WidthStats:
             total = torch.zeros(w, dtype=torch.float64)
             for bs, group in by_bs.items():
                 total += marginal_gains(calibrate(w, torch.stack(group))).sum(0).to(torch.float64) * bs
-            self.expected[i, :w] = total / sum(b.shape[0] for b in blocks)
+            self.expected[i, :w] = (total / sum(b.shape[0] for b in blocks)).numpy()
         self._survival = {}
 
     def load(self, reached: Sequence[Sequence[float]], accepted: Sequence[Sequence[float]],
              expected: Sequence[Sequence[float]], expected_requests: Sequence[float]) -> None:
         """Take over counts and gains learned elsewhere (``dcut.learned``), capped like this stats' own."""
-        self.reached = torch.tensor(reached, dtype=torch.float64)
-        self.accepted = torch.tensor(accepted, dtype=torch.float64)
+        self.reached = np.array(reached, dtype=np.float64)
+        self.accepted = np.array(accepted, dtype=np.float64)
         self._cap()
-        self.expected = torch.tensor(expected, dtype=torch.float64)
-        self.expected_requests = torch.tensor(expected_requests, dtype=torch.float64)
+        self.expected = np.array(expected, dtype=np.float64)
+        self.expected_requests = np.array(expected_requests, dtype=np.float64)
         self._survival = {}
 
     def conditional(self) -> np.ndarray:
         """``q[w, t]``, Beta-smoothed towards the pooled rate of position t over all widths."""
-        accepted, reached = self.accepted.numpy(), self.reached.numpy()
+        accepted, reached = self.accepted, self.reached
         pooled = (accepted.sum(0) + self.prior_weight * self.prior_q) / (reached.sum(0) + self.prior_weight)
         return (accepted + self.prior_weight * pooled) / (reached + self.prior_weight)
 
@@ -163,15 +164,15 @@ class WidthStats:
         there is evidence. Recomputed only after new observations
         (it is read before every drafting pass)."""
         found = self._survival.get(optimism)
-        if found is None:  # numpy: a few dozen operations on [widths, k] arrays, a few times cheaper than torch's
+        if found is None:
             z, prior = optimism, self.prior_weight
             q = self.conditional()
             if z:
-                q = np.minimum(q + z * np.sqrt(q * (1 - q) / (self.reached.numpy() + prior)), 1.0)
+                q = np.minimum(q + z * np.sqrt(q * (1 - q) / (self.reached + prior)), 1.0)
             s = np.cumprod(q, axis=1)
             # Drafted widths: what their confidences predict. Widths not drafted yet: where a wider block was
             # drafted, what its confidences predict at the same positions (pooled over blocks, by requests).
-            expected, drafted = self.expected.numpy(), self.expected_requests.numpy()
+            expected, drafted = self.expected, self.expected_requests
             beyond = np.arange(self.k)[None, :] >= np.asarray(self.widths)[:, None]
             requests = drafted[:, None] * ~beyond
             pooled_n = requests.sum(0)
