@@ -107,6 +107,9 @@ class CostTable:
                 self.points[int(bs)] = sorted(merged.values())
         self._sizes = sorted(self.points)
         self._dense: dict[tuple[int, torch.device], Tensor] = {}
+        # Each row's (tokens, ms) as arrays, for host lookups (several a step; the rows never change after this).
+        self._rows = {bs: (np.asarray([p[0] for p in row], dtype=np.float64), np.asarray([p[1] for p in row]))
+                      for bs, row in self.points.items()}
 
     def covering(self, bs: int) -> int | None:
         """The smallest profiled batch size ``>= bs``, or None beyond the table."""
@@ -154,8 +157,8 @@ class CostTable:
         cover = self.covering(bs)
         if cover is None:
             return None
-        row = self.points[cover]
-        costs = np.interp(verify_tokens, [p[0] for p in row], [p[1] for p in row]) + self.offset(cover)
+        tokens, ms = self._rows[cover]
+        costs = np.interp(verify_tokens, tokens, ms) + self.offset(cover)
         costs = costs + (np.asarray(verify_tokens) <= bs) * (self.offset(cover, plain=True) - self.offset(cover))
         return costs if self.context is None else self.context.apply(costs, np.asarray(verify_tokens), cover, context)
 
