@@ -164,6 +164,10 @@ class CostTable:
 
     def draft_cost(self, bs: int, width: int) -> float | None:
         """The drafter's cost in ms at ``width`` for ``bs`` requests; None when not profiled."""
+        cover = self.covering(bs)
+        cell = None if cover is None else self.draft.get(cover, {}).get(width)
+        if cell is not None:  # a measured width (the usual case, several times a step): no interpolation
+            return cell[0]
         costs = self.draft_costs(bs, np.asarray([width]))
         return None if costs is None else float(costs[0])
 
