@@ -81,9 +81,9 @@ CALIBRATE_REQUESTS = 64
 # these counts feed (the width decision, ``REDECIDE_STEPS``; the calibration) moves over hundreds of steps.
 ACCOUNT_STEPS = 8
 # Steps whose verified outcomes the calibrators hold before they count them in one update (``Calibrator.flush``). An
-# update, and the lookup table rebuilt after it, cost more than the rest of a step's accounting (measured warm: 0.4
-# ms for a width's calibrator and the pooled one, 0.16 ms for the table; in an engine, after its forward pass, about
-# 0.2 ms a step at every ``ACCOUNT_STEPS``); calibration moves over hundreds of steps.
+# update, and the lookup table rebuilt after it, were the dearest part of a step's accounting (measured warm: 0.44 ms
+# for a width's calibrator and the pooled one, 0.16 ms to rebuild the table; in an engine, MoE pair at bs 1, 0.08-0.1
+# ms a step when done every ``ACCOUNT_STEPS``, 0.02-0.04 ms every 32); calibration moves over hundreds of steps.
 CALIBRATION_STEPS = 32
 
 
