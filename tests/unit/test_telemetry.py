@@ -107,12 +107,14 @@ def test_throughput_capacity_demand() -> None:
 
 
 def test_prometheus_counts_a_few_steps_at_once_as_each_step_alone() -> None:
-    from prometheus_client import REGISTRY
-
     from dcut.vllm import prometheus
 
     def sample(name: str, **labels: str) -> float:
-        return REGISTRY.get_sample_value(name, {"model_name": "batched", **labels}) or 0.0
+        """Read from the metrics themselves: an engine started in the same process unregisters every ``vllm:``
+        collector from the default registry (vLLM's ``unregister_vllm_metrics``)."""
+        want = {"model_name": "batched", **labels}
+        return sum(s.value for metric in prometheus._metrics().values() for family in metric.collect()
+                   for s in family.samples if s.name == name and s.labels == want)
 
     steps = [record(2, 8, 4, [2, 1, 0, 0], [2, 2, 0, 0]), record(2, 0, 0, [0] * 4, [0] * 4),
              record(1, 4, 3, [1, 1, 1, 0], [1, 1, 1, 0])]
