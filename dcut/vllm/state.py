@@ -295,11 +295,10 @@ class RunnerDCut(RunnerKnowledge):
             self._pending = None
             return
         start = self._clock()
-        calibrator = self._calibrator(log_conf.shape[-1])
         if self.probe or self.settings.mode == "full" or self.tracer is not None:
-            self._pending = Pending(None, None, log_conf, 0.0, self._expected(log_conf, calibrator))
+            self._pending = Pending(None, None, log_conf, 0.0, self._expected(log_conf))
             return
-        scored = calibrator.calibrate(log_conf) if calibrator is not None else log_conf
+        scored = self._calibrated(log_conf.shape[-1], log_conf)
         if self._caps is not None:  # drafts beyond a request's cap are worth nothing to the budget
             beyond = torch.arange(scored.shape[-1], device=scored.device) >= torch.tensor(
                 self._caps, device=scored.device)[:, None]
@@ -313,11 +312,9 @@ class RunnerDCut(RunnerKnowledge):
             gains = marginal_gains(scored) if decision.gains is None else per_request_gains(decision.gains, bs)
         self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains)
 
-    def _expected(self, log_conf: Tensor, calibrator: Calibrator | None) -> Tensor | None:
+    def _expected(self, log_conf: Tensor) -> Tensor | None:
         """Mode joint: what each further draft per request is worth in this block (``marginal_gains``)."""
-        if not self.joint:
-            return None
-        return marginal_gains(calibrator.calibrate(log_conf) if calibrator is not None else log_conf)
+        return marginal_gains(self._calibrated(log_conf.shape[-1], log_conf)) if self.joint else None
 
     def _trace(self, req_ids: list[str], log_conf: Tensor | None, context_lens: list[int] | None) -> None:
         """Record this drafting pass, and what verification showed of the last one."""
