@@ -87,6 +87,8 @@ class DCutSnapshot(_Record):
         None, description="Mode joint: measured tokens/s per 'bucket/width' (`RealizedRates.summary`).")
     width_observations: dict[int, int] | None = None
     width_survival: dict[int, list[float]] | None = None
+    request_history: dict[str, float | int | bool | None] | None = Field(
+        None, description="Mode joint: `RequestHistory.summary`: whether each request's recent blocks steer D-Cut.")
     calibration: dict[int, dict[str, Any]] | None = Field(
         None, description="Per drafted width: `Calibrator.reliability`.")
     learned: LearnedState | None = Field(None, description="Mode joint: what a replica starting after this one "

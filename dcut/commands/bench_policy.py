@@ -77,7 +77,7 @@ def time_step(mode: str, bs: int, k: int, width: int, repeats: int) -> float:
         log_conf = torch.rand(bs, width, generator=generator).pow(0.3).log() if width else None
         start = time.perf_counter()
         state.begin_step(scheduled, spec)
-        state.choose_width(bs, k)
+        state.choose_width(bs, k, req_ids)
         state.width = width  # what the step drafts, whatever the estimate says
         state.on_drafted(req_ids, log_conf, sampled if width and step else None, [width] * bs if step else None)
         state.cut(req_ids, [[0] * width for _ in req_ids])

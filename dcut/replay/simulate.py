@@ -189,7 +189,7 @@ class RunnerPolicy:
 
     def width(self, bs: int, last: Verified | None) -> int:
         self._last = last
-        width = self.runner.choose_width(bs, self.k)
+        width = self.runner.choose_width(bs, self.k, self._ids)
         held = self.runner.held_width(bs)
         if held != self._held:  # the chosen width (not an exploring or probe step) changed
             self._held, self.converged_at = held, self._steps

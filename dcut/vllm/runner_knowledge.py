@@ -19,6 +19,7 @@ from typing import Any
 from dcut.calibration import Calibrator
 from dcut.context_cost import profile_context
 from dcut.cost_table import CostTable, Fingerprint, StepCost, cached_table_path, profile_cost_table
+from dcut.history import RequestHistory
 from dcut.learned import LearnedState
 from dcut.overhead import EngineOverhead
 from dcut.settings import DCutSettings
@@ -42,6 +43,7 @@ class RunnerKnowledge:
     width_stats: WidthStats
     realized: RealizedRates
     calibrators: dict[int, Calibrator]
+    history: RequestHistory | None
     _decided: dict[int, Decided]
     pooled_calibrator: Calibrator | None
     overhead: EngineOverhead
@@ -161,9 +163,10 @@ class RunnerKnowledge:
         """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
         w = self.window
         logger.info("D-Cut: %d steps, widths %s, mean keep ratio %s, accepted drafts/request-step %s, "
-                    "position acceptance %s, cost table %s", len(w), w.width_histogram(), _fmt(w.mean_keep_ratio()),
+                    "position acceptance %s, cost table %s%s", len(w), w.width_histogram(), _fmt(w.mean_keep_ratio()),
                     _fmt(w.mean_accepted_length()), [_fmt(p) for p in w.position_acceptance()[:8]],
-                    self.cost_source)
+                    self.cost_source, ", request history in use" if self.history is not None and self.history.useful
+                    else "")
 
     def reset_stats(self) -> None:
         """Forget recorded steps (e.g. after a warm-up), keep the cost table and calibration."""
@@ -179,7 +182,8 @@ class RunnerKnowledge:
         if self.joint:
             joint = {"width_realized": self.realized.summary(),
                      "width_observations": self.width_stats.observations(),
-                     "width_survival": dict(zip(self.widths, self.width_stats.survival().tolist(), strict=True))}
+                     "width_survival": dict(zip(self.widths, self.width_stats.survival().tolist(), strict=True)),
+                     "request_history": None if self.history is None else self.history.summary()}
         return DCutSnapshot(
             settings=self.settings, fingerprint=self.fingerprint, cost_source=self.cost_source,
             cost_path=self.cost_path, steps=self.steps, window=WindowSummary(**self.window.summary()),

@@ -27,13 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from dcut.calibration import Calibrator
 from dcut.cost_table import CostTable, Fingerprint, StepCost
+from dcut.history import RequestHistory
 from dcut.overhead import EngineOverhead
-from dcut.selection import select
+from dcut.selection import prefix_scores, select
 from dcut.settings import DCutSettings
 from dcut.snapshot import CostSource
 from dcut.speculation import RequestSpeculation
@@ -48,6 +50,7 @@ from dcut.width import (
     Explorer,
     ProbeBudget,
     RealizedRates,
+    WidthChoice,
     WidthStats,
     choose_width,
     marginal_gains,
@@ -152,10 +155,17 @@ class RunnerDCut(RunnerKnowledge):
         self.trace_widths = [w for w in settings.trace_widths if w <= k] or [k]
         self._trace_turn = 0
         self.requests = RequestSpeculation(k, settings.default_max_width)  # caps, and what speculation did
+        self.history = RequestHistory() if self.joint else None  # each request's record against calibration
         self._caps: list[int] | None = None  # this step's caps, in batch order (None: none below K)
         # The batch's mean context (tokens so far; the hooks set it each step, before the width is chosen): every
         # verify cost this step looks up or refines is priced at it (dcut.context_cost). None: the profiled one.
         self.context: float | None = None
+
+    def finished(self, req_ids: set[str]) -> None:
+        """Requests that finished: their usage stays readable, their record against calibration goes."""
+        self.requests.drop(req_ids)
+        if self.history is not None:
+            self.history.drop(req_ids)
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
@@ -172,12 +182,13 @@ class RunnerDCut(RunnerKnowledge):
         pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
         self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
 
-    def choose_width(self, bs: int, scheduled_width: int) -> int:
+    def choose_width(self, bs: int, scheduled_width: int, req_ids: list[str] | None = None) -> int:
         """The width to draft this step (host int, decided before drafting); starts the draft clock.
 
         Modes other than ``joint`` draft what the scheduler asked for. ``joint`` maximises the
         estimated tokens/s of the whole step over the candidate widths (``dcut.width``), holds on
-        to its last choice within the hysteresis, and now and then probes another width.
+        to its last choice within the hysteresis, and now and then probes another width; where the
+        batch's requests (``req_ids``) have lately accepted too little for drafting to pay, width 0.
         """
         self._draft_start = self._clock()
         self._verify_ms = (self._draft_start - self._step_start) * 1000.0
@@ -211,8 +222,20 @@ class RunnerDCut(RunnerKnowledge):
             self.width = explore
             return self.width
         probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), fresh)
-        self.width, self.probe = (probe, True) if probe is not None else (chosen.width, False)
+        self.width, self.probe = (probe, True) if probe is not None else (self._gated(chosen, decision, req_ids),
+                                                                          False)
         return self.width
+
+    def _gated(self, chosen: WidthChoice, decision: Decided, req_ids: list[str] | None) -> int:
+        """``chosen``'s width, or width 0 where the batch's requests' recent blocks (``RequestHistory``) make its
+        expected tokens, scaled by their mean factor, slower than a step without drafts."""
+        zero = decision.zero
+        factors = None if self.history is None or not req_ids or zero is None else self.history.factors(req_ids)
+        if factors is None or not chosen.width:
+            return chosen.width
+        bs = len(req_ids)
+        scaled = (bs + float(factors.mean()) * (chosen.tokens_per_step - bs)) / chosen.step_ms
+        return 0 if scaled < zero.tokens_per_step / zero.step_ms else chosen.width
 
     def _decide(self, bs: int, table: CostTable) -> Decided:
         """The width for steps of ``bs`` (None beyond the cost table), and what exploration weighs against it:
@@ -222,15 +245,17 @@ class RunnerDCut(RunnerKnowledge):
             return Decided(self._choices, None, None)
         model = width_utilities(bs, self.widths, self.width_stats.survival(), verify_ms, table.draft_costs,
                                 self.overhead.ms)
-        chosen = choose_width(self.realized.apply(bucket, model), self._held.get(bucket),
-                              self.settings.width_hysteresis, lambda w: self.realized.noise(bucket, w))
+        estimates = self.realized.apply(bucket, model)
+        chosen = choose_width(estimates, self._held.get(bucket), self.settings.width_hysteresis,
+                              lambda w: self.realized.noise(bucket, w))
         if chosen is None:
             return Decided(self._choices, bucket, None)
         self._held[bucket] = chosen.width
         hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), verify_ms,
                                   table.draft_costs, self.overhead.ms)
+        zero = next((c for c in estimates if c is not None and c.width == 0 and c.step_ms > 0), None)
         return Decided(self._choices, bucket, chosen, self.realized.optimistic(bucket, hopeful),
-                       {c.width: c.step_ms for c in hopeful if c is not None})
+                       {c.width: c.step_ms for c in hopeful if c is not None}, zero)
 
     def held_width(self, bs: int) -> int | None:
         """The width chosen (not explored or probed) for steps of ``bs``, which hysteresis holds on to; None
@@ -287,8 +312,12 @@ class RunnerDCut(RunnerKnowledge):
             self._verified = Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted, self._last.width,
                                       sum(counts))
             self.requests.accepted(req_ids, counts)
+            if self.history is not None:
+                self._observe_history(req_ids, num_draft_tokens, counts, self._last)
         else:
             self._verified = None
+            if self.history is not None:
+                self.history.idle(req_ids)
         if self.tracer is not None:
             self._trace(req_ids, log_conf, context_lens)
         if log_conf is None or log_conf.shape[-1] == 0:
@@ -296,7 +325,10 @@ class RunnerDCut(RunnerKnowledge):
             return
         start = self._clock()
         if self.probe or self.settings.mode == "full" or self.tracer is not None:
-            self._pending = Pending(None, None, log_conf, 0.0, self._expected(log_conf))
+            self._pending = Pending(None, None, log_conf, 0.0)
+            if self.joint:  # every draft is verified: what the width's blocks are worth, and each request's
+                scored = self._calibrated(log_conf.shape[-1], log_conf)
+                self._pending.expected, self._pending.block = marginal_gains(scored), prefix_scores(scored).sum(1)
             return
         scored = self._calibrated(log_conf.shape[-1], log_conf)
         if self._caps is not None:  # drafts beyond a request's cap are worth nothing to the budget
@@ -305,16 +337,29 @@ class RunnerDCut(RunnerKnowledge):
             scored = scored.masked_fill(beyond, NEVER)
         cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
                                                              float(self.overhead.ms(log_conf.shape[0])), self.context)
-        keep, decision = select(scored, self.settings, cost)
-        gains = None
+        factors = None if self.history is None else self.history.factors(req_ids)
+        ranked = scored if factors is None else _scaled(scored, factors)
+        keep, decision = select(ranked, self.settings, cost)
+        gains = block = None
         if self.joint:  # what each further draft per request is worth: select's sorted sums, where it made them
             bs = len(req_ids)
-            gains = marginal_gains(scored) if decision.gains is None else per_request_gains(decision.gains, bs)
-        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains)
+            # (calibration's view, as a width's blocks are priced: the factors are this moment's requests')
+            gains = marginal_gains(scored) if decision.gains is None or factors is not None else \
+                per_request_gains(decision.gains, bs)
+            # what calibration alone expects of each request's kept drafts (RequestHistory weighs the outcome)
+            scores = prefix_scores(scored)
+            block = (scores * (torch.arange(scores.shape[-1], device=scores.device) < keep[:, None])).sum(1)
+        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains, block)
 
-    def _expected(self, log_conf: Tensor) -> Tensor | None:
-        """Mode joint: what each further draft per request is worth in this block (``marginal_gains``)."""
-        return marginal_gains(self._calibrated(log_conf.shape[-1], log_conf)) if self.joint else None
+    def _observe_history(self, req_ids: list[str], verified: list[int], accepted: list[int],
+                         last: LastDrafts) -> None:
+        """Weigh each request's verified block against what calibration expected of it when it was kept."""
+        assert self.history is not None
+        if last.expected is None:
+            self.history.idle(req_ids)
+            return
+        expected = [last.expected[last.index[r]] if r in last.index else 0.0 for r in req_ids]
+        self.history.observe(req_ids, expected, verified, accepted)
 
     def _trace(self, req_ids: list[str], log_conf: Tensor | None, context_lens: list[int] | None) -> None:
         """Record this drafting pass, and what verification showed of the last one."""
@@ -350,7 +395,9 @@ class RunnerDCut(RunnerKnowledge):
         step_ms = (self._clock() - self._step_start) * 1000.0
         raw = None if pending is None else pending.log_conf.cpu()
         self._record(pending, verified, step_ms, raw)
-        self._last = None if raw is None else LastDrafts({r: i for i, r in enumerate(req_ids)}, raw, raw.shape[-1])
+        block = None if pending is None or pending.block is None else pending.block.tolist()
+        self._last = None if raw is None else LastDrafts({r: i for i, r in enumerate(req_ids)}, raw, raw.shape[-1],
+                                                         block)
         return drafts
 
     def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
@@ -508,3 +555,11 @@ class RunnerDCut(RunnerKnowledge):
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:
                 c.observe(conf, num_draft, accepted)
+
+
+def _scaled(log_conf: Tensor, factors: np.ndarray) -> Tensor:
+    """``log_conf`` with each request's block scaled by its factor (``RequestHistory``): its first position's
+    log-confidence moved by ``log(factor)``, so every prefix score of the request is (capped at 1 by
+    ``prefix_scores``)."""
+    shift = torch.from_numpy(np.log(factors)).to(device=log_conf.device, dtype=log_conf.dtype)
+    return torch.cat([log_conf[:, :1] + shift[:, None], log_conf[:, 1:]], dim=1)

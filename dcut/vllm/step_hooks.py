@@ -42,7 +42,7 @@ def wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
             if hooks.stash and gone:
                 hooks.stash.drop(gone)  # their blocks may be handed to new requests now
             if scheduler_output.finished_req_ids:
-                state.requests.drop(scheduler_output.finished_req_ids)
+                state.finished(scheduler_output.finished_req_ids)
             state.begin_step(scheduler_output.num_scheduled_tokens,
                              scheduler_output.scheduled_spec_decode_tokens)
         return original(self, scheduler_output, *args, **kwargs)
@@ -99,7 +99,7 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
         # every cost lookup of the step prices the batch's mean context (unless told to decide at the profiled one)
         state.context = float(context.mean()) if len(req_ids) and state.settings.context_cost else None
         caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests))
-        width = state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule)
+        width = state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule, req_ids)
         width = _agreed(self, min(width, max(caps, default=width)))  # never wider than the batch's largest cap
         state.width = width
         if width == 0 and stash is not None and torch.is_tensor(sampled_token_ids):

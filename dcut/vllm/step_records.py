@@ -20,6 +20,7 @@ class Pending:
     log_conf: Tensor
     selection_us: float
     expected: Tensor | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
+    block: Tensor | None = None  # mode joint: each request's kept drafts' calibrated prefix scores, summed [bs]
 
 
 @dataclass
@@ -53,6 +54,7 @@ class LastDrafts:
     index: dict[str, int]
     log_conf: Tensor  # [bs, width] on the host
     width: int
+    expected: list[float] | None = None  # mode joint: what calibration expected of each row's kept drafts
 
 
 @dataclass
@@ -78,3 +80,4 @@ class Decided:
     chosen: WidthChoice | None
     optimistic: list[float | None] = field(default_factory=list)
     step_ms: dict[int, float] = field(default_factory=dict)
+    zero: WidthChoice | None = None  # width 0's estimate, where it is a candidate

@@ -104,8 +104,8 @@ def forced_widths(monkeypatch: pytest.MonkeyPatch):
 
     timed = RunnerDCut.choose_width
 
-    def choose_width(self: RunnerDCut, bs: int, scheduled_width: int) -> int:
-        timed(self, bs, scheduled_width)  # keeps the step clocks running
+    def choose_width(self: RunnerDCut, bs: int, scheduled_width: int, req_ids: list[str] | None = None) -> int:
+        timed(self, bs, scheduled_width, req_ids)  # keeps the step clocks running
         self.width = self.k if self.steps % 4 == 3 else 0
         self.probe = self.width > 0  # verify every draft: the counts compare the drafters, not the cuts
         return self.width

@@ -169,3 +169,22 @@ def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
     assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(200.0)
     r.on_flush(8.0, rows=80)
     assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(1000.0 * 2 / 10.2)
+
+
+def test_joint_drafts_nothing_for_a_batch_whose_requests_lately_accepted_nothing():
+    """Once a request's recent blocks predict its next one better than calibration does (acceptance in phases per
+    request), a batch whose requests have lately accepted nothing is not drafted for; new requests are."""
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4], probe_share=0.0), FP, k=4)
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 10.1, 3)]}, draft={2: {0: (0.1, 1), 4: (6.0, 1)}})
+    r.begin_step({q: 1 for q in REQS}, {})
+    assert r.choose_width(2, 4, REQS) == 4  # drafting pays on calibration alone, by a fifth
+
+    others = [f"p{i}" for i in range(4)]
+    for t in range(200):  # other requests, accepting whole blocks or nothing in phases of 10 steps
+        r.history.observe(others, [2.0] * 4, [4] * 4, [4 if ((t + 3 * i) // 10) % 2 == 0 else 0 for i in range(4)])
+    r.history.observe(REQS, [2.0, 2.0], [4, 4], [0, 0])
+    r.history.observe(REQS, [2.0, 2.0], [4, 4], [0, 0])
+    assert r.history.useful
+    assert r.choose_width(2, 4, REQS) == 0
+    assert r.choose_width(2, 4, ["new1", "new2"]) == 4
+    assert r.held_width(2) == 4  # the held decision is the calibrated one; the history only skips its drafts

@@ -1,0 +1,87 @@
+"""A request's own record against its calibrated confidences, for drafters whose acceptance runs in phases.
+
+Calibration maps a drafter's confidence to the acceptance seen across all requests. Some drafters' acceptance also
+runs in phases per request, which the confidence does not show and the request's last blocks do: the MoE pair's
+blocks are accepted all or nothing, a request rejecting every block for its first 8-20 steps and then accepting
+whole blocks, at confidences that barely differ (position 0: 0.33 against 0.38, median, on the committed trace).
+``RequestHistory`` keeps, per request, its recent accepted drafts against what calibration expected of them (both
+decayed, shrunk towards a ratio of 1), and hands D-Cut the ratio as the factor its next block is worth.
+
+Whether the factors are worth using is measured, not assumed: each verified block is predicted both ways before its
+outcome is counted, and the factors are used only while they predict better. Where a request's residuals are
+uncorrelated (the deep pair's trace) they would only add noise, and they stay unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+DECAY = 0.5  # what a verified block's evidence weighs after each further verified block of its request
+# ... after a step in which the request verified nothing (width 0, or its drafts cut): a request judged poor is tried
+# again after a few steps, since nothing else would bring news of it.
+IDLE = 0.7
+PRIOR = 2.0  # pseudo-drafts at a ratio of 1 every factor is shrunk with (one verified block weighs about as much)
+JUDGED = 0.99  # what a block's prediction error weighs after each further block (about the last 100)
+MIN_BLOCKS = 128  # verified blocks judged before the factors may be used (on 64 the deep pair's passed, by chance)
+MARGIN = 0.8  # used while their squared error is below this fraction of the calibration's own
+
+
+class RequestHistory:
+    """Per running request: decayed accepted and expected drafts; per engine: whether the factors pay."""
+
+    def __init__(self) -> None:
+        self._accepted: dict[str, float] = {}
+        self._expected: dict[str, float] = {}
+        self._error = 0.0  # decayed squared error of the blocks' predictions: calibration alone
+        self._error_factored = 0.0  # and scaled by the factors
+        self.blocks = 0  # verified blocks judged
+
+    @property
+    def useful(self) -> bool:
+        """The factors predicted the verified blocks clearly better than calibration alone."""
+        return self.blocks >= MIN_BLOCKS and self._error_factored < MARGIN * self._error
+
+    def summary(self) -> dict[str, float | int | bool | None]:
+        """For the snapshot: whether the factors are in use, on how many blocks judged, and their squared error
+        as a fraction of calibration's alone (below ``MARGIN``: in use)."""
+        ratio = self._error_factored / self._error if self._error > 0 else None
+        return {"in_use": self.useful, "blocks": self.blocks, "error_ratio": ratio}
+
+    def factor(self, req_id: str) -> float:
+        """What the request's next block is worth against its calibrated expectation (1.0 for a new request)."""
+        return (self._accepted.get(req_id, 0.0) + PRIOR) / (self._expected.get(req_id, 0.0) + PRIOR)
+
+    def factors(self, req_ids: Sequence[str]) -> np.ndarray | None:
+        """Each request's factor, or None while the factors are not useful (use calibration alone)."""
+        return np.fromiter((self.factor(r) for r in req_ids), float, len(req_ids)) if self.useful else None
+
+    def observe(self, req_ids: Sequence[str], expected: Sequence[float], verified: Sequence[int],
+                accepted: Sequence[int]) -> None:
+        """One step's verification: request i verified ``verified[i]`` drafts, which calibration expected to yield
+        ``expected[i]`` accepted, and ``accepted[i]`` were. A request that verified nothing only ages."""
+        for r, e, v, a in zip(req_ids, expected, verified, accepted, strict=True):
+            if v <= 0:
+                self.idle((r,))
+                continue
+            done, due = self._accepted.get(r, 0.0), self._expected.get(r, 0.0)
+            predicted = min((done + PRIOR) / (due + PRIOR) * e, v)  # before this outcome is counted: out of sample
+            self._error = JUDGED * self._error + (a - e) ** 2
+            self._error_factored = JUDGED * self._error_factored + (a - predicted) ** 2
+            self.blocks += 1
+            self._accepted[r] = DECAY * done + a
+            self._expected[r] = DECAY * due + e
+
+    def idle(self, req_ids: Sequence[str]) -> None:
+        """A step in which these requests verified nothing."""
+        for r in req_ids:
+            if r in self._expected:
+                self._accepted[r] *= IDLE
+                self._expected[r] *= IDLE
+
+    def drop(self, req_ids: set[str]) -> None:
+        """Finished requests."""
+        for r in req_ids:
+            self._accepted.pop(r, None)
+            self._expected.pop(r, None)
