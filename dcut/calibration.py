@@ -19,11 +19,18 @@ from torch import Tensor
 
 from dcut.learned import CalibrationState
 
-# A position verified fewer times than this is mapped as the deepest earlier position verified more often. Raw
-# confidence there would be the alternative, and for a drafter that is under-confident deep in its block (the MoE
-# pair's: ECE about 0.6 from position 3) raw makes those drafts look worthless, so the policy cuts them, so they are
-# never verified, so they are never calibrated: a width stays judged on numbers nothing ever checked.
+# A position verified fewer times than this takes the fallback (pooled) calibrator's counts there, where it has
+# seen the position this often.
 BORROW_BELOW = 32
+# A position verified fewer times than this (and not by the fallback) is mapped as the deepest earlier position
+# verified more often. Raw confidence there would be the alternative, and for a drafter that is under-confident deep
+# in its block (the MoE pair's: ECE about 0.6 from position 3) raw makes those drafts look worthless, so the policy
+# cuts them, so they are never verified, so they are never calibrated: a width stays judged on numbers nothing ever
+# checked. Only this thin: a position seen more often is calibrated on its own counts (the two levels of smoothing
+# hold a thin bin to its position's rate). Borrowed up to BORROW_BELOW, an all-or-nothing drafter's deep positions,
+# accepted whenever reached, took position 0's rate (0.57 in 64 blocks of the MoE pair's requests, mostly at their
+# start), every position compounding it: width 15 was priced at half a plain step and never drafted again.
+EARLIER_BELOW = 8
 
 
 class Calibrator:
@@ -159,11 +166,11 @@ class Calibrator:
 
     def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with. A position
-        verified fewer than ``BORROW_BELOW`` times takes the fallback's counts there, if it has enough, else
-        the counts of the deepest earlier position verified more (why: above). The fallback first: a drafter's
-        raw confidence at a deep position is distributed as at that position, not as at an earlier one (the MoE
-        pair's width 15, borrowing position 1's mapping, priced its deep drafts at 0.07 where 99 % were
-        accepted; the pooled calibrator had seen hundreds of them from width-7 blocks)."""
+        verified fewer than ``BORROW_BELOW`` times takes the fallback's counts there, if it has enough; one verified
+        fewer than ``EARLIER_BELOW`` times, the counts of the deepest earlier position verified more (why: above).
+        The fallback first: a drafter's raw confidence at a deep position is distributed as at that position, not
+        as at an earlier one (the MoE pair's width 15, borrowing position 1's mapping, priced its deep drafts at 0.07
+        where 99 % were accepted; the pooled calibrator had seen hundreds of them from width-7 blocks)."""
         count, accepted, raw_sum = self.count, self.accepted, self.raw_sum
         n = count.sum(1)
         if self.fallback is not None:
@@ -174,7 +181,7 @@ class Calibrator:
             n = count.sum(1)
         source, last = list(range(self.k)), None
         for t, seen in enumerate(n.tolist()):
-            if seen >= BORROW_BELOW:
+            if seen >= EARLIER_BELOW:
                 last = t
             elif last is not None:
                 source[t] = last

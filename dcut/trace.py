@@ -59,9 +59,40 @@ class Trace:
         rows = self._pooled(width)
         return (self.log_conf[rows, :width].astype(np.float64), self.accepted[rows].astype(np.int64))
 
+    def request_ids(self) -> np.ndarray:
+        """Which recorded request each row is a step of (int64 ``[R]``, numbered by first appearance; every row 0
+        where no context was recorded, as in synthetic traces).
+
+        A trace keeps no request ids. A row continues a row of the step before whose context it follows by 1 to
+        k + 1 tokens (a step's context is counted before its own verification, so by what the step before
+        accepted, plus one), preferring the row at the same place in the batch, where an engine keeps a running
+        request; a row that continues none starts a request."""
+        ids = np.zeros(len(self.ctx_len), dtype=np.int64)
+        if not (self.ctx_len > 0).any():
+            return ids
+        fresh, prev_ctx, prev_ids = 0, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        for s in range(self.steps):
+            a, b = int(self.step_offsets[s]), int(self.step_offsets[s + 1])
+            ctx = self.ctx_len[a:b].astype(np.int64)
+            free = np.ones(len(prev_ctx), dtype=bool)
+            for j, c in enumerate(ctx):
+                gap = c - prev_ctx
+                fits = free & (gap >= 1) & (gap <= self.k + 1)
+                match = j if j < len(fits) and fits[j] else (int(np.argmax(fits)) if fits.any() else -1)
+                if match < 0:
+                    ids[a + j], fresh = fresh, fresh + 1
+                else:
+                    ids[a + j], free[match] = prev_ids[match], False
+            prev_ctx, prev_ids = ctx, ids[a:b].copy()
+        return ids
+
     def pool_context(self, width: int) -> np.ndarray:
         """The context length (int64) of each row of ``pool(width)``, in the same order (0: not recorded)."""
         return self.ctx_len[self._pooled(width)].astype(np.int64)
+
+    def pool_requests(self, width: int) -> np.ndarray:
+        """The recorded request (``request_ids``) of each row of ``pool(width)``, in the same order."""
+        return self.request_ids()[self._pooled(width)]
 
     def _pooled(self, width: int) -> np.ndarray:
         return (self.row_width() == width) & (self.accepted >= 0)

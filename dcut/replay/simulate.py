@@ -5,15 +5,15 @@ more token), then the policy chooses a width, the trace supplies that width's dr
 policy keeps a prefix of each request's drafts. The step costs ``verify(bs, bs + kept) +
 draft(bs, width) + overhead(emitted)`` on the cost model (for ``none``: a step without speculation, no drafter).
 
-Draws are common to every policy: request slot i at step n reads row ``(i * (pool // bs) + n) mod pool``
-of the pool of the width it drafted, so two policies drafting the same width at the same step see the
-same drafts, and a difference between their figures is a difference between their decisions. Each slot
-walks through consecutive rows from its own starting point: a recorded request's steps are consecutive
-rows, so a slot's acceptance drifts the way a request's does, and slots start far apart in the pool.
+Each request slot walks through a recorded request by the tokens it emits (``Walk``): it reads, at the width
+drafted, the row its request recorded where the slot is in the request's text, so a request's acceptance drifts,
+and runs in phases, as it did when recorded, whatever the policy's pace. Every policy starts from the same places:
+two policies that emit the same tokens see the same drafts, and a difference between their figures is a difference
+between their decisions.
 
-The batch's context at step n, also common to every policy, is the mean recorded context of the rows the
-widest width's pool gives at step n (or a fixed one, ``Pools(context=...)``); every verify step and every
-decision of step n is priced at it where the cost model has a context term (``dcut.context_cost``).
+The batch's context at a step is its slots' mean position (their recorded contexts; or a fixed one,
+``Pools(context=...)``); every verify step and every decision of the step is priced at it where the cost model has
+a context term (``dcut.context_cost``).
 
 The project's own policies run as they do in an engine: ``RunnerPolicy`` drives the runner
 (``dcut.vllm.state.RunnerDCut``: width choice, probes, realized rates, calibration, selection, cost
@@ -38,7 +38,8 @@ from dcut.trace import Trace
 
 
 class Pools:
-    """Each width's rows of a trace: what replay draws a request's drafts and true acceptance from."""
+    """Each width's rows of a trace, by recorded request: what replay draws a request's drafts and true acceptance
+    from (``Walk``)."""
 
     def __init__(self, trace: Trace, context: float | None = None) -> None:
         """``context``: every step's mean context, instead of the trace's recorded ones."""
@@ -46,8 +47,35 @@ class Pools:
         self._pools = {w: trace.pool(w) for w in trace.widths()}
         if not self._pools:
             raise ValueError("the trace holds no fully verified rows")
-        self._context = trace.pool_context(max(self._pools))
         self._fixed_context = context
+        self.recorded_context = bool((trace.ctx_len > 0).any())
+        # Per width: each row's sort key (request * SPAN + its position in the request: its context, or its row
+        # number where none was recorded), sorted, and the pool rows in that order.
+        self._keys: dict[int, np.ndarray] = {}
+        self._index: dict[int, np.ndarray] = {}
+        positions = {w: trace.pool_context(w) if self.recorded_context else np.arange(len(self._pools[w][1]))
+                     for w in self._pools}
+        owners = {w: trace.pool_requests(w) for w in self._pools}
+        # Requests with rows at every width (a slot may draft any); one request of every row where none qualify.
+        common = set.intersection(*(set(o.tolist()) for o in owners.values()))
+        if not common:
+            owners = {w: np.zeros_like(o) for w, o in owners.items()}
+            positions = {w: np.arange(len(self._pools[w][1])) for w in self._pools}
+            common = {0}
+        self._requests = np.asarray(sorted(common), dtype=np.int64)
+        rank = {q: i for i, q in enumerate(self._requests.tolist())}
+        self._span = int(max(int(p.max(initial=0)) for p in positions.values())) + 1
+        starts, ends = np.full(len(rank), np.iinfo(np.int64).max), np.zeros(len(rank), dtype=np.int64)
+        for w in self._pools:
+            keep = np.isin(owners[w], self._requests)
+            r = np.asarray([rank[q] for q in owners[w][keep].tolist()], dtype=np.int64)
+            pos = positions[w][keep].astype(np.int64)
+            keys = r * self._span + pos
+            order = np.argsort(keys, kind="stable")
+            self._keys[w], self._index[w] = keys[order], np.flatnonzero(keep)[order]
+            np.minimum.at(starts, r, pos)
+            np.maximum.at(ends, r, pos)
+        self._starts, self._ends = starts, ends
 
     @property
     def widths(self) -> list[int]:
@@ -60,22 +88,65 @@ class Pools:
     def mean_accepted(self, width: int) -> float:
         return float(self._pools[width][1].mean())
 
-    def rows(self, width: int, step: int, bs: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(log_conf [bs, width], accepted [bs])`` for request slots 0..bs-1 at ``step``."""
-        if width == 0:
-            return np.zeros((bs, 0)), np.zeros(bs, dtype=np.int64)
-        conf, accepted = self._pools[width]
-        n = len(accepted)
-        index = (np.arange(bs) * (n // bs) + step) % n
-        return conf[index], accepted[index]
+    def walk(self, bs: int) -> Walk:
+        """``bs`` request slots at the start of requests spread over the trace."""
+        return Walk(self, bs)
 
-    def context(self, step: int, bs: int) -> float | None:
-        """The batch's mean context at ``step`` (None where the trace recorded none, as synthetic ones do)."""
-        if self._fixed_context is not None:
-            return self._fixed_context
-        n = len(self._context)
-        lengths = self._context[(np.arange(bs) * (n // bs) + step) % n]
-        return float(lengths.mean()) if (lengths > 0).all() else None
+
+class Walk:
+    """A steady batch's request slots, each stepping through a recorded request by the tokens it emits.
+
+    A request's acceptance depends on where it is in its text (the MoE pair's requests reject every block for
+    their first 8-20 tokens, then accept whole blocks), so a slot reads, at the width drafted, the row its request
+    recorded at the slot's position, and moves on by what it emits: a policy that emits 16 tokens a step leaves a
+    phase in a step, one that emits 1 stays in it for as many steps as it has tokens. Past its request's last
+    recorded row a slot starts the next request. Every policy's walk starts from the same places and moves the
+    same way, so two policies emitting the same tokens see the same drafts.
+    """
+
+    def __init__(self, pools: Pools, bs: int) -> None:
+        self._pools, self.bs = pools, bs
+        n = len(pools._requests)
+        self._request = (np.arange(bs) * max(1, n // bs)) % n
+        # Slot i starts i / bs of the way into its request (one request of all rows, where no context was recorded:
+        # spread along it): a steady batch's requests are at every stage of their text, not all at their start.
+        starts, ends = pools._starts[self._request], pools._ends[self._request]
+        self._position = starts + np.arange(bs) * (ends - starts + 1) // bs
+
+    def rows(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(log_conf [bs, width], accepted [bs])``: each slot's request's row at its position."""
+        if width == 0:
+            return np.zeros((self.bs, 0)), np.zeros(self.bs, dtype=np.int64)
+        rows = self.row_index(width)
+        conf, accepted = self._pools.pool(width)
+        return conf[rows], accepted[rows]
+
+    def row_index(self, width: int) -> np.ndarray:
+        """Each slot's row of ``pool(width)``: its request's last row recorded at or before the slot's position
+        (the request's first where none is)."""
+        keys, index = self._pools._keys[width], self._pools._index[width]
+        j = np.searchsorted(keys, self._request * self._pools._span + self._position, side="right") - 1
+        first = np.searchsorted(keys, self._request * self._pools._span, side="left")
+        return index[np.maximum(j, first).clip(max=len(keys) - 1)]
+
+    def advance(self, emitted: np.ndarray) -> None:
+        """Each slot emitted ``emitted[i]`` tokens; a slot past its request's last row starts the next request."""
+        pools = self._pools
+        self._position = self._position + np.asarray(emitted, dtype=np.int64)
+        over = self._position > pools._ends[self._request]
+        if over.any():
+            if len(pools._requests) == 1:
+                span = pools._ends[0] - pools._starts[0] + 1
+                self._position[over] = pools._starts[0] + (self._position[over] - pools._starts[0]) % span
+            else:
+                self._request[over] = (self._request[over] + 1) % len(pools._requests)
+                self._position[over] = pools._starts[self._request[over]]
+
+    def context(self) -> float | None:
+        """The batch's mean context (None where the trace recorded none, as synthetic ones do)."""
+        if self._pools._fixed_context is not None:
+            return self._pools._fixed_context
+        return float(self._position.mean()) if self._pools.recorded_context else None
 
 
 class SimClock:
@@ -124,10 +195,12 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
     widths: Counter[int] = Counter()
     verified = drafted = 0
     step_ms = 0.0
+    walk = pools.walk(bs)
     for n in range(warmup + steps):
         accepted = np.minimum(true, kept)
         emitted = bs + int(accepted.sum())
-        context = pools.context(n, bs)
+        walk.advance(1 + accepted)
+        context = walk.context()
         if n:  # what this step's verification shows, before the next width is chosen (as in the engine)
             last = Verified(width_prev, kept, accepted, step_ms)
         if begin is not None:
@@ -140,7 +213,7 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
             w = policy.width(bs, last)
             draft_ms = cost.draft(bs, w)
             clock.advance(draft_ms)
-        conf, true = pools.rows(w, n, bs)
+        conf, true = walk.rows(w)
         new_kept = np.asarray(policy.keep(conf), dtype=np.int64)  # at width 0 too: an engine's hooks run every step
         step_ms = verify_ms + draft_ms + cost.overhead(emitted)
         clock.advance(step_ms - verify_ms - draft_ms)
@@ -228,32 +301,41 @@ class RunnerPolicy:
         return next((e.tokens_per_s for e in self.runner.estimates() if e.batch_size == cover), None)
 
 
-def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
-    """The best any policy could do on these draws: knowing each request's true acceptance at every
-    width, draft the width that pays best and verify only drafts that will be accepted (all of them,
-    or fewer where the cost table's steps make the last few dearer than they are worth).
+@dataclass
+class _Option:
+    """One width at one step of a walk: per verify budget B, the tokens and ms a picker believes, what they truly
+    are, and (``emitted(B)``) what each slot truly emits."""
 
-    Maximises total tokens over total time (not each step's rate): Dinkelbach's iteration on
-    ``tokens - rate * ms`` per step converges to the best ratio in a few rounds. Width 0 costs the
-    cheaper of a ``none`` step (no drafter) and a width-0 step, so the oracle is at least ``none``.
-    Each step is priced at its context, as the policies' are.
+    tokens: np.ndarray
+    ms: np.ndarray
+    true_tokens: np.ndarray
+    true_ms: np.ndarray
+    emitted: Any
+
+
+def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
+    """The best any policy could do on these requests: knowing each request's true acceptance at every width,
+    draft the width that pays best and verify only drafts that will be accepted (all of them, or fewer where the
+    cost table's steps make the last few dearer than they are worth; the first drafts of each request first).
+
+    Width 0 costs the cheaper of a ``none`` step (no drafter) and a width-0 step, so the oracle is at least
+    ``none``. Each step is priced at its context, as the policies' are.
     """
     widths = [0, *pools.widths]
-    options = []  # per step and width: (tokens [B+1], ms [B+1]) for verify budgets B = 0..accepted drafts
-    for n in range(steps):
-        row = []
-        context = pools.context(warmup + n, bs)
+
+    def options(walk: Walk) -> list[_Option]:
+        context = walk.context()
         zero = min(cost.none(bs, context), cost.verify(bs, bs, context) + cost.draft(bs, 0))
+        out = []
         for w in widths:
-            accepted = int(pools.rows(w, warmup + n, bs)[1].sum())
-            tokens = bs + np.arange(accepted + 1, dtype=np.float64)
-            verify = cost.table.lookup_many(bs, tokens.astype(np.int64), context)
-            if verify is None:
-                raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
+            accepted = walk.rows(w)[1]
+            tokens = bs + np.arange(int(accepted.sum()) + 1, dtype=np.float64)
+            verify = _verify(cost, bs, tokens.astype(np.int64), context)
             ms = (np.full_like(tokens, zero) if w == 0 else verify + cost.draft(bs, w)) + cost.overhead(tokens)
-            row.append((tokens, ms))
-        options.append(row)
-    return _picked("oracle", bs, widths, _best_ratio(options), options)
+            out.append(_Option(tokens, ms, tokens, ms, lambda b, a=accepted: 1 + _first_drafts_first(a, b)))
+        return out
+
+    return _walked_best("oracle", bs, pools, widths, steps, warmup, options)
 
 
 def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
@@ -271,66 +353,82 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
     from dcut.calibration import Calibrator
     from dcut.selection import prefix_scores
 
-    calibrators = {}
+    scored = {}  # per width: every pool row's calibrated prefix scores
     for w in pools.widths:
         conf, accepted = pools.pool(w)
-        calibrators[w] = c = Calibrator(w, prior=0.0)
+        c = Calibrator(w, prior=0.0)
         c.update(torch.from_numpy(conf), torch.full((len(accepted),), w), torch.from_numpy(accepted))
+        scored[w] = prefix_scores(c.calibrate(torch.from_numpy(conf))).numpy()
     widths = [0, *pools.widths]
-    options, outcomes = [], []  # per step and width, per budget: (expected tokens, ms); (true tokens, ms)
-    for n in range(steps):
-        row, truth = [], []
-        context = pools.context(warmup + n, bs)
+
+    def options(walk: Walk) -> list[_Option]:
+        context = walk.context()
         zero = min(cost.none(bs, context), cost.verify(bs, bs, context) + cost.draft(bs, 0))
-        for w in widths:
-            if w == 0:
-                tokens = np.full(1, float(bs))
-                ms = np.full(1, zero) + cost.overhead(tokens)
-                row.append((tokens, ms))
-                truth.append((tokens, ms))
-                continue
-            conf, accepted = pools.rows(w, warmup + n, bs)
-            scores = prefix_scores(calibrators[w].calibrate(torch.from_numpy(conf))).reshape(-1).numpy()
+        tokens = np.full(1, float(bs))
+        ms = np.full(1, zero) + cost.overhead(tokens)
+        out = [_Option(tokens, ms, tokens, ms, lambda b: np.ones(bs, dtype=np.int64))]
+        for w in widths[1:]:
+            rows = walk.row_index(w)
+            accepted = pools.pool(w)[1][rows]
+            scores = scored[w][rows].reshape(-1)
             order = np.argsort(-scores, kind="stable")  # the global top-B for every B: a prefix of each request
             expected = bs + np.concatenate([[0.0], np.cumsum(scores[order])])
             hit = (order % w) < accepted[order // w]  # the draft is one verification accepts
             true = bs + np.concatenate([[0.0], np.cumsum(hit)])
-            verify = cost.table.lookup_many(bs, bs + np.arange(bs * w + 1, dtype=np.int64), context)
-            if verify is None:
-                raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
-            base = verify + cost.draft(bs, w)
-            row.append((expected, base + cost.overhead(expected)))
-            truth.append((true, base + cost.overhead(true)))
-        options.append(row)
-        outcomes.append(truth)
-    return _picked("oracle-conf", bs, widths, _best_ratio(options), outcomes)
+            base = _verify(cost, bs, bs + np.arange(bs * w + 1, dtype=np.int64), context) + cost.draft(bs, w)
+
+            def emitted(b: int, order: np.ndarray = order, accepted: np.ndarray = accepted, w: int = w) -> np.ndarray:
+                return 1 + np.minimum(np.bincount(order[:b] // w, minlength=bs), accepted)
+
+            out.append(_Option(expected, base + cost.overhead(expected), true, base + cost.overhead(true), emitted))
+        return out
+
+    return _walked_best("oracle-conf", bs, pools, widths, steps, warmup, options)
 
 
-def _picked(name: str, bs: int, widths: list[int], picks: list[tuple[int, int]],
-            outcomes: list[list[tuple[np.ndarray, np.ndarray]]]) -> Cell:
-    """The cell of one (width index, budget) pick per step, at what each pick yields (``outcomes``: per step and
-    width, tokens and ms per budget)."""
-    tokens = sum(outcomes[n][j][0][b] for n, (j, b) in enumerate(picks))
-    ms = sum(outcomes[n][j][1][b] for n, (j, b) in enumerate(picks))
-    hist = Counter(widths[j] for j, _ in picks)
-    return Cell(name, bs, len(picks), float(tokens), float(ms), dict(sorted(hist.items())),
-                int(sum(b for _, b in picks)), int(sum(bs * widths[j] for j, _ in picks)))
+def _verify(cost: CostModel, bs: int, tokens: np.ndarray, context: float | None) -> np.ndarray:
+    verify = cost.table.lookup_many(bs, tokens, context)
+    if verify is None:
+        raise ValueError(f"cost model {cost.name} does not cover batch size {bs}")
+    return verify
 
 
-def _best_ratio(options: list[list[tuple[np.ndarray, np.ndarray]]]) -> list[tuple[int, int]]:
-    """Per step, the (width index, budget) maximising total tokens over total ms across all steps: Dinkelbach's
-    iteration on ``tokens - rate * ms`` per step converges to the best ratio in a few rounds."""
-    rate, picks = 0.0, []
-    for _ in range(50):
-        picks = []
-        for row in options:
-            best = max(((j, int(np.argmax(t - rate * m))) for j, (t, m) in enumerate(row)),
-                       key=lambda jb: row[jb[0]][0][jb[1]] - rate * row[jb[0]][1][jb[1]])
-            picks.append(best)
-        tokens = sum(options[n][j][0][b] for n, (j, b) in enumerate(picks))
-        ms = sum(options[n][j][1][b] for n, (j, b) in enumerate(picks))
-        new = float(tokens / ms)
-        if math.isclose(new, rate, rel_tol=1e-12):
+def _first_drafts_first(accepted: np.ndarray, budget: int) -> np.ndarray:
+    """Per slot, how many of its accepted drafts the first ``budget`` take, every slot's first draft before any
+    slot's second."""
+    _, slot = np.nonzero(np.arange(int(accepted.max(initial=0)))[:, None] < accepted[None, :])
+    return np.bincount(slot[:budget], minlength=len(accepted))
+
+
+def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int, warmup: int,
+                 options: Any, rounds: int = 30) -> Cell:
+    """Maximise believed tokens over ms along a walk: Dinkelbach's iteration, each round walking from the start and
+    taking at every step the (width, budget) with the most ``tokens - rate * ms`` at the last round's rate, until
+    the rate holds still. A pick moves the slots on by what it truly emits, so the path follows the picks. The
+    cell counts the last ``steps`` steps, at what the picks truly yield."""
+    rate, cell = 0.0, None
+    for _ in range(rounds):
+        walk = pools.walk(bs)
+        believed = np.zeros(2)
+        tokens = ms = 0.0
+        hist: Counter[int] = Counter()
+        verified = drafted = 0
+        for n in range(warmup + steps):
+            opts = options(walk)
+            gain = [o.tokens - rate * o.ms for o in opts]
+            j = max(range(len(opts)), key=lambda i: float(gain[i].max()))
+            b = int(np.argmax(gain[j]))
+            o = opts[j]
+            if n >= warmup:
+                believed += (o.tokens[b], o.ms[b])
+                tokens, ms = tokens + float(o.true_tokens[b]), ms + float(o.true_ms[b])
+                hist[widths[j]] += 1
+                verified, drafted = verified + b, drafted + bs * widths[j]
+            walk.advance(o.emitted(b))
+        cell = Cell(name, bs, steps, tokens, ms, dict(sorted(hist.items())), verified, drafted)
+        new = float(believed[0] / believed[1])
+        if math.isclose(new, rate, rel_tol=1e-9):
             break
         rate = new
-    return picks
+    assert cell is not None
+    return cell

@@ -131,7 +131,7 @@ def test_a_thin_position_takes_the_fallbacks_counts_before_an_earlier_positions(
     assert float(own.calibrate(probe).exp()[0, 2]) > 0.9  # pooled position 2: raw 0.05 is accepted
     alone = Calibrator(k=3, bins=10, min_count=8)
     alone.load(own.state())
-    assert float(alone.calibrate(probe).exp()[0, 2]) < 0.5  # borrowing its own position 1 (raw 0.9, half accepted)
+    assert float(alone.calibrate(probe).exp()[0, 2]) < 0.5  # its own 10 observations there: rejected
     for _ in range(40):  # the pooled calibrator learns position 2's drafts are now rejected
         pooled.update(conf, torch.full((4,), 3), torch.full((4,), 2))
     assert float(own.calibrate(probe).exp()[0, 2]) < 0.7

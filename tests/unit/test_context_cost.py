@@ -226,7 +226,7 @@ def test_replay_prices_verify_steps_at_the_traced_or_the_given_context():
     assert ms(sloped, long) == pytest.approx(ms(flat, long) + 10 * 1000 * 1e-3 * 20)
     assert ms(sloped, Pools(_trace(C0), context=1128.0)) == pytest.approx(ms(sloped, long))
     assert ms(sloped, long, none=True) == pytest.approx(ms(flat, long, none=True) + 10 * 1000 * 1e-3 * 4)
-    assert math.isclose(Pools(_trace(300)).context(3, 4) or 0.0, 300.0)
+    assert math.isclose(Pools(_trace(300)).walk(4).context() or 0.0, 300.0)
 
 
 def test_dcut_replay_at_a_given_context_decides_with_the_context_term(tmp_path: Path, capsys):
