@@ -415,8 +415,11 @@ class RunnerDCut(RunnerKnowledge):
         bs = self._step_bs
         self._emitted = bs + (verified.accepted_total if verified is not None else 0)
         c = self._finished_cycle
-        # A probe verifies everything, which the policy would not: it teaches acceptance, not the width's rate.
-        if c is not None and self.joint and c.clean and not c.probe and self._step_shape is not None:
+        # A probe verifies everything, which the policy would not: it teaches acceptance, and a rate the width can at
+        # least deliver (what exploration weighs), not the rate itself.
+        if c is not None and self.joint and c.clean and c.probe and self._step_shape is not None:
+            self.realized.add_probe(c.bucket, c.width, self._emitted, c.ms, c.predicted_ms)
+        elif c is not None and self.joint and c.clean and self._step_shape is not None:
             self.realized.add(c.bucket, c.width, self._emitted, c.ms, c.predicted_tokens, c.predicted_ms)
             if c.width == 0:
                 self._zero_cycles += 1

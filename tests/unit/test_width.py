@@ -221,6 +221,19 @@ def test_a_width_not_yet_measured_is_as_hopeful_as_what_its_few_cycles_delivered
     assert rates.optimistic(1, model)[1] == pytest.approx(700.0)
 
 
+def test_what_probes_delivered_keeps_a_width_a_candidate_but_never_measures_it() -> None:
+    """A calibrating start verified width 15 in full at 2,000 tok/s while the model prices it at 700: it stays a
+    candidate for exploration (optimistic 2,000, stalls capped), but the probes do not count as its measurement."""
+    rates = RealizedRates(min_samples=3, min_requests=32)
+    model = [WidthChoice(0, 0, 1.0, 1.5), WidthChoice(15, 15, 2.1, 3.0)]
+    for _ in range(4):
+        rates.add_probe(1, 15, tokens=6.0, ms=3.0, predicted_ms=3.0)
+    rates.add_probe(1, 15, tokens=6.0, ms=300.0, predicted_ms=3.0)  # a stall: counted as 3x its predicted time
+    assert rates.optimistic(1, model)[1] == pytest.approx(1000.0 * 30.0 / 21.0)
+    assert rates.optimistic(1, model)[0] == pytest.approx(1000.0 / 1.5)
+    assert rates.apply(1, model) == model and rates.fresh(1, 15) == 0.0
+
+
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
     """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
     realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
