@@ -39,6 +39,7 @@ class Trace:
     accepted: np.ndarray  # int16 [R], UNKNOWN where not fully verified
     log_conf: np.ndarray  # float16 [R, k], NaN past the step's width
     meta: dict[str, Any] = field(default_factory=dict)
+    _request_ids: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def steps(self) -> int:
@@ -66,7 +67,13 @@ class Trace:
         A trace keeps no request ids. A row continues a row of the step before whose context it follows by 1 to
         k + 1 tokens (a step's context is counted before its own verification, so by what the step before
         accepted, plus one), preferring the row at the same place in the batch, where an engine keeps a running
-        request; a row that continues none starts a request."""
+        request; a row that continues none starts a request. Worked out once per trace (a Python pass over its rows;
+        every width's pool reads it)."""
+        if self._request_ids is None:
+            self._request_ids = self._linked_requests()
+        return self._request_ids
+
+    def _linked_requests(self) -> np.ndarray:
         ids = np.zeros(len(self.ctx_len), dtype=np.int64)
         if not (self.ctx_len > 0).any():
             return ids

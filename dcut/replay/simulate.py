@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +90,7 @@ class Pools:
         return float(self._pools[width][1].mean())
 
     def walk(self, bs: int) -> Walk:
-        """``bs`` request slots at the start of requests spread over the trace."""
+        """``bs`` request slots in requests spread over the trace, each at its own stage of its request (``Walk``)."""
         return Walk(self, bs)
 
 
@@ -310,7 +311,7 @@ class _Option:
     ms: np.ndarray
     true_tokens: np.ndarray
     true_ms: np.ndarray
-    emitted: Any
+    emitted: Callable[[int], np.ndarray]
 
 
 def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
@@ -401,7 +402,7 @@ def _first_drafts_first(accepted: np.ndarray, budget: int) -> np.ndarray:
 
 
 def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int, warmup: int,
-                 options: Any, rounds: int = 30) -> Cell:
+                 options: Callable[[Walk], list[_Option]], rounds: int = 30) -> Cell:
     """Maximise believed tokens over ms along a walk: Dinkelbach's iteration, each round walking from the start and
     taking at every step the (width, budget) with the most ``tokens - rate * ms`` at the last round's rate, until
     the rate holds still. A pick moves the slots on by what it truly emits, so the path follows the picks. The

@@ -173,10 +173,13 @@ class RealizedRates:
                 spread = cell.rate_var ** 0.5 / cell.rate
                 out.append(m.tokens_per_s * (1.0 + z * spread / max(self.fresh(bucket, c.width), 1.0) ** 0.5))
             elif c is not None:
+                seen = [c.tokens_per_s]
+                if cell is not None and cell.ms > 0:
+                    seen.append(1000.0 * cell.tokens / cell.ms)
                 probes = self._probes.get((bucket, c.width))
-                seen = [1000.0 * t / ms for t, ms in ((cell.tokens, cell.ms) if cell is not None else (0.0, 0.0),
-                                                      probes or (0.0, 0.0)) if ms > 0]
-                out.append(max([c.tokens_per_s, *seen]))
+                if probes is not None and probes[1] > 0:
+                    seen.append(1000.0 * probes[0] / probes[1])
+                out.append(max(seen))
             else:
                 out.append(None)
         return out
