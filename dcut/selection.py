@@ -80,6 +80,7 @@ class Decision:
     chosen: Tensor | None = None  # index into candidates
     fallback: bool = False  # no cost covered this batch size
     gains: Tensor | None = None  # [bs*K + 1]: running sum of the prefix scores sorted best first, from 0
+    scores: Tensor | None = None  # [bs, K]: the prefix scores ranked (where the budget was chosen on them)
 
 
 
@@ -199,7 +200,7 @@ def _select(log_conf: Tensor, settings: DCutSettings, cost: CostLookup | None,
     depths = _depths_from_order(order, budget, bs, k)
     expected = _plus(torch.take(gains, budget), bonus)
     return depths, Decision(settings.mode, ratio, budget, budget, proposed, expected, candidates,
-                            utilities, chosen, False, gains)
+                            utilities, chosen, False, gains, scores)
 
 
 def _fixed(ratio: float, mode: str, fallback: bool, bs: int, k: int, proposed: int | Tensor,

@@ -347,7 +347,7 @@ class RunnerDCut(RunnerKnowledge):
             gains = marginal_gains(scored) if decision.gains is None or factors is not None else \
                 per_request_gains(decision.gains, bs)
             # what calibration alone expects of each request's kept drafts (RequestHistory weighs the outcome)
-            scores = prefix_scores(scored)
+            scores = decision.scores if factors is None and decision.scores is not None else prefix_scores(scored)
             block = (scores * (torch.arange(scores.shape[-1], device=scores.device) < keep[:, None])).sum(1)
         self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains, block)
 
