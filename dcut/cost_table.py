@@ -107,9 +107,12 @@ class CostTable:
                 self.points[int(bs)] = sorted(merged.values())
         self._sizes = sorted(self.points)
         self._dense: dict[tuple[int, torch.device], Tensor] = {}
-        # Each row's (tokens, ms) as arrays, for host lookups (several a step; the rows never change after this).
+        # Each row's (tokens, ms) as arrays, for host lookups (the rows never change after this); and as lists, for
+        # the single lookups a step makes (``lookup``: in pure Python, as numpy's per-call overhead is most of their
+        # cost on the step's cold caches: in an engine, ``refine`` took 71 us a step through numpy).
         self._rows = {bs: (np.asarray([p[0] for p in row], dtype=np.float64), np.asarray([p[1] for p in row]))
                       for bs, row in self.points.items()}
+        self._lists = {bs: ([float(p[0]) for p in row], [p[1] for p in row]) for bs, row in self.points.items()}
 
     def covering(self, bs: int) -> int | None:
         """The smallest profiled batch size ``>= bs``, or None beyond the table."""
@@ -117,9 +120,15 @@ class CostTable:
         return self._sizes[i] if i < len(self._sizes) else None
 
     def lookup(self, bs: int, verify_tokens: int, context: float | None = None) -> float | None:
-        """Cost in ms of one step, or None when no profiled batch size covers ``bs``."""
-        costs = self.lookup_many(bs, np.asarray([verify_tokens]), context)
-        return None if costs is None else float(costs[0])
+        """Cost in ms of one step, or None when no profiled batch size covers ``bs``: ``lookup_many`` for one
+        token count, to the last bit, without numpy (``_lists`` says why)."""
+        cover = self.covering(bs)
+        if cover is None:
+            return None
+        cost = _interp(float(verify_tokens), *self._lists[cover]) + self.offset(cover)
+        if verify_tokens <= bs:
+            cost = cost + (self.offset(cover, plain=True) - self.offset(cover))
+        return cost if self.context is None else float(self.context.apply(cost, verify_tokens, cover, context))
 
     def offset(self, cover: int, plain: bool = False) -> float:
         """The live-step correction of a profiled batch size's row (ms): of steps verifying
@@ -309,6 +318,16 @@ class CostTable:
             raise FingerprintMismatch(f"cost table {path} was measured on something else: "
                                       f"{_differences(fingerprint, table.fingerprint)}")
         return table
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    """``np.interp(x, xs, ys)`` for one ``x``, with numpy's arithmetic (flat outside ``xs``)."""
+    j = bisect.bisect_right(xs, x) - 1
+    if j < 0:
+        return ys[0]
+    if j >= len(xs) - 1 or xs[j] == x:
+        return ys[j]
+    return (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j]) * (x - xs[j]) + ys[j]
 
 
 class StepCost:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from dcut.context_cost import ContextCost
 from dcut.cost_table import (
     CostTable,
     Fingerprint,
@@ -40,6 +42,23 @@ def test_costs_vectorised_matches_lookup() -> None:
     assert costs is not None and costs.dtype == torch.float32
     assert costs.tolist() == pytest.approx([t.lookup(3, int(x)) for x in tokens])
     assert t.costs(100, tokens) is None
+
+
+def test_lookup_of_one_count_is_lookup_many_to_the_last_bit() -> None:
+    """The step's single lookups skip numpy; replay's figures rest on their being the same numbers."""
+    rng = np.random.default_rng(7)
+    for trial in range(50):
+        points = {bs: [(int(t), float(ms), 1) for t, ms in zip(
+            np.unique(rng.integers(bs, bs * 16 + 1, size=5)), np.sort(rng.uniform(5, 90, size=5)), strict=False)]
+            for bs in (1, 8, 32)}
+        context = ContextCost(128, [256, 1007], {8: 1e-4, 32: -2e-4}, {8: 3e-3, 32: -1e-2}) if trial % 2 else None
+        t = CostTable(FP, points, offsets={8: (0.7, 3)}, plain_offsets={8: (-1.3, 2), 32: (2.5, 1)}, context=context)
+        for bs in (1, 5, 8, 20, 32, 40):
+            tokens = np.concatenate([np.arange(bs * 17), [bs * 100]])
+            for ctx in (None, 40.0, 700.0):
+                many = t.lookup_many(bs, tokens, ctx)
+                single = [t.lookup(bs, int(x), ctx) for x in tokens]
+                assert (many is None and all(v is None for v in single)) or many.tolist() == single
 
 
 def test_smoothed_is_monotone_in_tokens() -> None:
