@@ -26,12 +26,14 @@ from __future__ import annotations
 import random
 import re
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from dcut.bench.breakdown import PARTS, StepBreakdown
 from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mode, token_ids_sha256, unknown_mode
 from dcut.machine import machine_info
 from dcut.settings import EngineSettings
@@ -100,13 +102,13 @@ def verdict(low: float, high: float) -> str:
 
 def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list, max_tokens: int,
             repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0,
-            traffic: str = "steady") -> dict[str, Any]:
-    """Build every arm's engine, then run the interleaved rounds; the record the report is made of."""
+            traffic: str = "steady", breakdown: bool = False) -> dict[str, Any]:
+    """Build every arm's engine, then run the interleaved rounds; the record the report is made of.
+    ``breakdown``: also time the parts of each engine step in the timed runs (``dcut.bench.breakdown``)."""
     if traffic not in TRAFFIC:
         raise ValueError(f"traffic {traffic!r}: choose from {', '.join(TRAFFIC)}")
     from vllm import LLM, SamplingParams
 
-    from dcut.vllm.api import read_snapshot, reset_stats
     from dcut.vllm.engine import engine_kwargs
 
     # No prefix caching in any arm (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
@@ -121,6 +123,27 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     runs: list[dict[str, Any]] = []
     stats: dict[tuple[str, int], Any] = {}
     bar = tqdm(total=len(batch_sizes) * repeats * len(arms), desc="interleaved", unit="run")
+    timers = StepBreakdown() if breakdown else None
+    with timers or nullcontext():
+        _rounds(engines, arms, batch_sizes, prompts, repeats, params, traffic, order_rng, runs, stats, timers, bar)
+    bar.close()
+    cells, comparisons = _summaries(runs, arms, batch_sizes, boot)
+    for c in cells:
+        c.update(stats.get((c["mode"], c["bs"]), {}))
+    return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
+            "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
+            "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
+            "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
+            "cells": cells, "comparisons": comparisons, "runs": runs}
+
+
+def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes: list[int], prompts: list,
+            repeats: int, params: Any, traffic: str, order_rng: random.Random, runs: list[dict[str, Any]],
+            stats: dict[tuple[str, int], Any], timers: StepBreakdown | None, bar: tqdm) -> None:
+    """Per batch size: a warm-up per arm, then ``repeats`` rounds of every arm in shuffled order (into ``runs``);
+    each D-Cut arm's engine figures after the last round (into ``stats``), and with ``timers`` its step parts."""
+    from dcut.vllm.api import read_snapshot, reset_stats
+
     for bs in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(max(bs, MIN_PROMPTS))]
         for arm in arms:  # warm-up: shapes first seen, D-Cut learning this batch size
@@ -133,6 +156,8 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
             order_rng.shuffle(order)
             for position, arm in enumerate(order):
                 llm = engines[arm.name][0]
+                if timers is not None:
+                    timers.measuring(f"{arm.name}/{bs}")
                 if traffic == "steady":
                     token_ids, tokens, wall = _steady(llm, prompts, bs, max(WAVES * bs, MIN_PROMPTS), params)
                 else:
@@ -140,26 +165,21 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
                     token_ids = _decode(llm, batch, bs, params)
                     wall = time.perf_counter() - start
                     tokens = sum(map(len, token_ids))
+                if timers is not None:
+                    timers.measuring(None)
                 runs.append({"mode": arm.name, "bs": bs, "repeat": r, "position": position, "wall_s": wall,
                              "tokens_per_s": tokens / wall, "token_ids_sha256": token_ids_sha256(token_ids)})
                 bar.update()
         for arm in arms:
+            parts = {} if timers is None else {"step_ms": timers.per_step(f"{arm.name}/{bs}")}
+            stats[(arm.name, bs)] = parts
             if arm.settings.dcut is not None and arm.settings.method != "none":
                 snap = read_snapshot(engines[arm.name][0])
                 if snap is not None:
                     stats[(arm.name, bs)] = {"width_histogram": snap.window.width_histogram,
                                              "mean_keep_ratio": snap.window.mean_keep_ratio,
                                              "mean_accepted_length": snap.window.mean_accepted_length,
-                                             "width_realized": snap.width_realized}
-    bar.close()
-    cells, comparisons = _summaries(runs, arms, batch_sizes, boot)
-    for c in cells:
-        c.update(stats.get((c["mode"], c["bs"]), {}))
-    return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
-            "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
-            "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
-            "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
-            "cells": cells, "comparisons": comparisons, "runs": runs}
+                                             "width_realized": snap.width_realized, **parts}
 
 
 def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
@@ -288,6 +308,7 @@ def markdown(record: dict[str, Any]) -> str:
     if realized:
         lines += ["", "`joint` at each batch size's own bucket, per width: tokens/s realized / predicted "
                   "(cycles measured), the engine's estimates after the cell:", "", *realized]
+    lines += _breakdown_tables(cell, sizes, modes)
     m = record["machine"]
     traffic = record.get("traffic", "batch")
     lines += ["", f"Traffic: {traffic} (" + (
@@ -298,3 +319,20 @@ def markdown(record: dict[str, Any]) -> str:
               f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; engine start-up "
               f"{record['startup_s']} s."]
     return "\n".join(lines) + "\n"
+
+
+def _breakdown_tables(cell: dict[tuple[str, int], dict[str, Any]], sizes: list[int], modes: list[str]) -> list[str]:
+    """Per batch size, each mode's step parts in ms per engine step (``dcut.bench.breakdown``; none unless asked)."""
+    lines: list[str] = []
+    for b in sizes:
+        parts = {m: cell[(m, b)].get("step_ms") or {} for m in modes}
+        names = [n for _, _, _, n in PARTS if any(n in p for p in parts.values())]
+        if not names:
+            continue
+        if not lines:
+            lines += ["", "## Where a step's time goes: ms per engine step in the timed runs (parts nest: the engine "
+                      "step holds all, execute_model the target forward)"]
+        lines += ["", f"bs {b}:", "", "| part | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        lines += [f"| {n} | " + " | ".join(f"{parts[m][n]:.3f}" if n in parts[m] else "–" for m in modes) + " |"
+                  for n in names]
+    return lines

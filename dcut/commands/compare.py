@@ -32,6 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(prefill and a draining tail in every cell)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the parts of each engine step (target forward, drafting, D-Cut's hooks, "
+                        "scheduler) in the timed runs, in ms per step per mode (dcut.bench.breakdown)")
     parser.add_argument("--out", required=True, help="folder for compare.json and compare.md")
 
 
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = token_prompts(prompts, Path(base.model) / "tokenizer.json", args.prompt_tokens,
                                 max(64, len(prompts)))
     record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed,
-                     args.traffic)
+                     args.traffic, args.breakdown)
     record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
