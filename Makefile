@@ -56,9 +56,12 @@ sweep: $(STAMP)
 replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic (~80 s): docs/replay
 	$(VENV)/bin/dcut replay --out docs/replay
 
-compare: $(STAMP)  # the interleaved live comparison of the deep pair, steady concurrency (~17 min): docs/compare-deep
+# the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
+# (~25-40 min): docs/compare-deep
+compare: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \
-		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --out docs/compare-deep
+		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
+		--out docs/compare-deep
 
 compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/compare-deep-batch
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \
