@@ -20,7 +20,8 @@ from typing import Any
 
 # (module, class, method, what it is), in the order a step runs them
 PARTS: tuple[tuple[str, str, str, str], ...] = (
-    ("vllm.v1.engine.core", "EngineCore", "step", "engine step"),
+    # LLMEngine's, not EngineCore's: the core binds its own step method once, at start (``step_fn``)
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step", "engine step"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "scheduler"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "execute_model"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "inputs"),

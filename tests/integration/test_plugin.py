@@ -146,6 +146,29 @@ def test_cost_table_cached_and_reused(tiny, cache_dir):
     assert again["stats"].cost_source == "cache", "a restart with the same setup must reuse the table"
 
 
+def test_the_step_breakdown_times_the_parts_of_a_real_engines_steps(tiny, cache_dir):
+    """``dcut compare --breakdown`` on a real engine: every part is reached where it is timed (a part bound at
+    engine start, as ``EngineCore.step`` is, would never be), and the parts nest."""
+    from vllm import LLM, SamplingParams
+
+    from dcut.bench.breakdown import StepBreakdown
+    from dcut.vllm.engine import engine_kwargs
+
+    llm = LLM(**engine_kwargs(_settings(tiny, "dflash", "joint", cache_dir)))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with StepBreakdown() as timers:
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)  # not measured
+        timers.measuring("joint/4")
+        llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        timers.measuring(None)
+    parts = timers.per_step("joint/4")
+    del llm
+    gc.collect()
+    assert {"engine step", "scheduler", "execute_model", "target forward", "D-Cut choose_width", "D-Cut cut"} <= set(
+        parts), parts
+    assert parts["engine step"] > parts["execute_model"] > parts["target forward"] > 0.0, parts
+
+
 def test_fingerprint_resolves_dtype_aliases_as_the_engine_does(tiny, cache_dir):
     """A controller's table is found by the key the engine will use, whatever spelling of dtype."""
     from dcut.vllm.fingerprint import fingerprint
