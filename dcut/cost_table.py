@@ -110,9 +110,8 @@ class CostTable:
         # Each row's (tokens, ms) as arrays, for host lookups (the rows never change after this); and as lists, for
         # the single lookups a step makes (``lookup``: in pure Python, as numpy's per-call overhead is most of their
         # cost on the step's cold caches: in an engine, ``refine`` took 71 us a step through numpy).
-        self._rows = {bs: (np.asarray([p[0] for p in row], dtype=np.float64), np.asarray([p[1] for p in row]))
-                      for bs, row in self.points.items()}
         self._lists = {bs: ([float(p[0]) for p in row], [p[1] for p in row]) for bs, row in self.points.items()}
+        self._rows = {bs: (np.asarray(xs), np.asarray(ys)) for bs, (xs, ys) in self._lists.items()}
 
     def covering(self, bs: int) -> int | None:
         """The smallest profiled batch size ``>= bs``, or None beyond the table."""

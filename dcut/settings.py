@@ -176,3 +176,8 @@ class EngineSettings(BaseModel):
                                       "mode full.")
     specexit: SpecExitSettings | None = Field(None, description="SpecExit: end the thinking early from the "
                                               "drafter's signals (a reasoning pair with a signal head); None: off.")
+
+    @property
+    def with_dcut(self) -> bool:
+        """D-Cut runs in the engine: it has settings and a drafter to cut (method none has nothing to cut)."""
+        return self.dcut is not None and self.method != "none"

@@ -86,7 +86,7 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
     from dcut.vllm.engine import engine_kwargs
 
     settings = settings.model_copy(update={"max_num_seqs": max(batch_sizes)})
-    with_dcut = settings.dcut is not None and settings.method != "none"
+    with_dcut = settings.with_dcut
     start = time.perf_counter()
     llm = _build_engine(LLM, engine_kwargs(settings))
     startup_s = time.perf_counter() - start

@@ -120,12 +120,10 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
         engines[arm.name] = (_build_engine(LLM, engine_kwargs(arm.settings)), time.perf_counter() - start)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     order_rng, boot = random.Random(seed), np.random.default_rng(seed)
-    runs: list[dict[str, Any]] = []
-    stats: dict[tuple[str, int], Any] = {}
     bar = tqdm(total=len(batch_sizes) * repeats * len(arms), desc="interleaved", unit="run")
     timers = StepBreakdown() if breakdown else None
     with timers or nullcontext():
-        _rounds(engines, arms, batch_sizes, prompts, repeats, params, traffic, order_rng, runs, stats, timers, bar)
+        runs, stats = _rounds(engines, arms, batch_sizes, prompts, repeats, params, traffic, order_rng, timers, bar)
     bar.close()
     cells, comparisons = _summaries(runs, arms, batch_sizes, boot)
     for c in cells:
@@ -138,18 +136,21 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
 
 
 def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes: list[int], prompts: list,
-            repeats: int, params: Any, traffic: str, order_rng: random.Random, runs: list[dict[str, Any]],
-            stats: dict[tuple[str, int], Any], timers: StepBreakdown | None, bar: tqdm) -> None:
-    """Per batch size: a warm-up per arm, then ``repeats`` rounds of every arm in shuffled order (into ``runs``);
-    each D-Cut arm's engine figures after the last round (into ``stats``), and with ``timers`` its step parts."""
+            repeats: int, params: Any, traffic: str, order_rng: random.Random, timers: StepBreakdown | None,
+            bar: tqdm) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]:
+    """Per batch size: a warm-up per arm, then ``repeats`` rounds of every arm in shuffled order. Every timed run,
+    and per (arm, batch size) what is known after its last round: a D-Cut arm's engine figures and, with ``timers``,
+    its step parts."""
     from dcut.vllm.api import read_snapshot, reset_stats
 
+    runs: list[dict[str, Any]] = []
+    stats: dict[tuple[str, int], dict[str, Any]] = {}
     for bs in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(max(bs, MIN_PROMPTS))]
         for arm in arms:  # warm-up: shapes first seen, D-Cut learning this batch size
             llm = engines[arm.name][0]
             _decode(llm, batch, bs, params)
-            if arm.settings.dcut is not None and arm.settings.method != "none":
+            if arm.settings.with_dcut:
                 reset_stats(llm)
         for r in range(repeats):
             order = list(arms)
@@ -171,15 +172,13 @@ def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes:
                              "tokens_per_s": tokens / wall, "token_ids_sha256": token_ids_sha256(token_ids)})
                 bar.update()
         for arm in arms:
-            parts = {} if timers is None else {"step_ms": timers.per_step(f"{arm.name}/{bs}")}
-            stats[(arm.name, bs)] = parts
-            if arm.settings.dcut is not None and arm.settings.method != "none":
-                snap = read_snapshot(engines[arm.name][0])
-                if snap is not None:
-                    stats[(arm.name, bs)] = {"width_histogram": snap.window.width_histogram,
-                                             "mean_keep_ratio": snap.window.mean_keep_ratio,
-                                             "mean_accepted_length": snap.window.mean_accepted_length,
-                                             "width_realized": snap.width_realized, **parts}
+            figures = stats[(arm.name, bs)] = {} if timers is None else {"step_ms": timers.per_step(f"{arm.name}/{bs}")}
+            snap = read_snapshot(engines[arm.name][0]) if arm.settings.with_dcut else None
+            if snap is not None:
+                figures.update(width_histogram=snap.window.width_histogram, mean_keep_ratio=snap.window.mean_keep_ratio,
+                               mean_accepted_length=snap.window.mean_accepted_length,
+                               width_realized=snap.width_realized)
+    return runs, stats
 
 
 def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
