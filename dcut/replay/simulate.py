@@ -289,6 +289,7 @@ class RunnerPolicy:
         """Mode joint: when the choice settled, and per width what it predicted beside what it got."""
         if not self.runner.joint:
             return {}
+        self.runner.settle()  # the steps still held
         cover = self.runner.cost_table.covering(self._bs) if self.runner.cost_table is not None else None
         realized = {k.split("/")[1]: {m: round(v, 1) for m, v in cell.items()}
                     for k, cell in self.runner.realized.summary().items() if k.split("/")[0] == str(cover)}

@@ -28,8 +28,7 @@ MAX_STASHED_TOKENS = 16384  # bounds memory (x the target's aux hidden width x 4
 @dataclass
 class _Entry:
     hidden: list[Tensor]  # the target's hidden states the drafter reads (several layers for DFlash)
-    positions: Tensor
-    slots: Tensor
+    ids: Tensor  # [2, rows]: positions, slots (one copy of both, split at flush)
     owners: list[str]  # the request of each run of rows, in order
     counts: list[int]  # rows per owner
     gone: set[str] = field(default_factory=set)  # owners dropped since: their rows are never written
@@ -40,12 +39,12 @@ class _Entry:
 
     def rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """Hidden states (layers side by side), positions and slots of the rows still to be written."""
-        hidden = torch.cat(self.hidden, dim=-1)
+        hidden, (positions, slots) = torch.cat(self.hidden, dim=-1), self.ids
         if not self.gone:
-            return hidden, self.positions, self.slots
+            return hidden, positions, slots
         keep = torch.repeat_interleave(torch.tensor([r not in self.gone for r in self.owners]),
-                                       torch.tensor(self.counts)).to(self.slots.device)
-        return hidden[keep], self.positions[keep], self.slots[keep]
+                                       torch.tensor(self.counts)).to(slots.device)
+        return hidden[keep], positions[keep], slots[keep]
 
 
 class ContextStash:
@@ -64,7 +63,7 @@ class ContextStash:
         (fresh tensors, not copied); positions and slots copied (the runner reuses those buffers);
         rows belong to ``owners[j]`` in runs of ``counts[j]``. Concatenation and the drafter's input
         projection run at flush, batched: on CPU, small per-step ops cost more than the stash."""
-        self._entries.append(_Entry(hidden, positions.clone(), slots.clone(), owners, counts))
+        self._entries.append(_Entry(hidden, torch.stack((positions, slots.to(positions.dtype))), owners, counts))
         self.tokens += positions.shape[0]
         while self.tokens > MAX_STASHED_TOKENS and len(self._entries) > 1:
             self.tokens -= self._entries.pop(0).live()

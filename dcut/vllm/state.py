@@ -56,7 +56,8 @@ from dcut.width import (
     marginal_gains,
     per_request_gains,
     position_counts,
-    width_utilities,
+    step_costs,
+    utilities_at,
     widths_for,
 )
 
@@ -78,7 +79,8 @@ RESCORE_STEPS = 64
 # would correct the calibration are never verified (replayed: joint at width 0 for 500 steps, 0.43x width 15).
 CALIBRATE_REQUESTS = 64
 # Steps whose outcomes are held and counted together (``RunnerDCut.settle``): acceptance per width and position,
-# calibration, each block's price, the step records and their metrics. What a step's code costs on a CPU engine is
+# calibration, each block's price, the step's times (cost-table refinement, cycles measured and priced), the step
+# records and their metrics. What a step's code costs on a CPU engine is
 # mostly the caches the forward pass left cold (measured in an engine: ``select`` 184 us on its first call after the
 # forward, 58 us repeated at once), so counting eight steps in one go costs little more than counting one. What
 # these counts feed (the width decision, ``REDECIDE_STEPS``; the calibration) moves over hundreds of steps.
@@ -243,16 +245,16 @@ class RunnerDCut(RunnerKnowledge):
         bucket, verify_ms = table.covering(bs), functools.partial(table.lookup_many, context=self.context)
         if bucket is None:
             return Decided(self._choices, None, None)
-        model = width_utilities(bs, self.widths, self.width_stats.survival(), verify_ms, table.draft_costs,
-                                self.overhead.ms)
+        survival = self.width_stats.survival()
+        costs = step_costs(bs, self.widths, survival.shape[1], verify_ms, table.draft_costs)
+        model = utilities_at(bs, self.widths, survival, costs, self.overhead.ms)
         estimates = self.realized.apply(bucket, model)
         chosen = choose_width(estimates, self._held.get(bucket), self.settings.width_hysteresis,
                               lambda w: self.realized.noise(bucket, w))
         if chosen is None:
             return Decided(self._choices, bucket, None)
         self._held[bucket] = chosen.width
-        hopeful = width_utilities(bs, self.widths, self.width_stats.survival(OPTIMISM), verify_ms,
-                                  table.draft_costs, self.overhead.ms)
+        hopeful = utilities_at(bs, self.widths, self.width_stats.survival(OPTIMISM), costs, self.overhead.ms)
         zero = next((c for c in estimates if c is not None and c.width == 0 and c.step_ms > 0), None)
         return Decided(self._choices, bucket, chosen, self.realized.optimistic(bucket, hopeful),
                        {c.width: c.step_ms for c in hopeful if c is not None}, zero)
@@ -274,6 +276,7 @@ class RunnerDCut(RunnerKnowledge):
         width pays too, whatever its width."""
         if self._draft_start is not None:
             self._draft_start += ms / 1000.0
+        self.settle()  # the width-0 cycles still held
         bucket = None if self.cost_table is None else self.cost_table.covering(self._step_bs)
         if bucket is not None and self._zero_cycles and rows > 0:
             self.realized.charge(bucket, 0, ms * min(1.0, self._zero_rows / rows), self._zero_cycles)
@@ -402,31 +405,11 @@ class RunnerDCut(RunnerKnowledge):
 
     def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
                 raw: Tensor | None) -> None:
-        """Account for the step: now, what the next step reads (costs refined, the finished cycle's rate, the
-        engine's overhead per token emitted); the rest is held for ``settle`` (``raw``: this step's raw
-        log-confidences on the CPU)."""
+        """Account for the step: now, only what the next step's clock reads (the tokens it emitted, for the engine's
+        overhead); the rest is held for ``settle`` (``raw``: this step's raw log-confidences on the CPU)."""
         self.steps += 1
-        table = self.cost_table
-        if table is not None and self.settings.refine:
-            if self._step_shape is not None and self._verify_ms is not None and table.covering(self._step_shape[0]):
-                table.refine(*self._step_shape, self._verify_ms, context=self.context)
-            if self._step_shape is not None and self._draft_ms is not None:
-                table.refine_draft(self._step_shape[0], self.width, self._draft_ms)
         bs = self._step_bs
         self._emitted = bs + (verified.accepted_total if verified is not None else 0)
-        c = self._finished_cycle
-        # A probe verifies everything, which the policy would not: it teaches acceptance, and a rate the width can at
-        # least deliver (what exploration weighs), not the rate itself.
-        if c is not None and self.joint and c.clean and c.probe and self._step_shape is not None:
-            self.realized.add_probe(c.bucket, c.width, self._emitted, c.ms, c.predicted_ms)
-        elif c is not None and self.joint and c.clean and self._step_shape is not None:
-            self.realized.add(c.bucket, c.width, self._emitted, c.ms, c.predicted_tokens, c.predicted_ms)
-            if c.width == 0:
-                self._zero_cycles += 1
-                self._zero_rows += bs
-        if self.joint and self._cycle is not None and table is not None:
-            self._predict(self._cycle, table, pending, bs)
-        self._finished_cycle = None
         proposed = int(pending.log_conf.numel()) if pending is not None else 0
         decision = pending.decision if pending is not None else None
         record = StepRecord(  # kept, budget, ratio and the per-position counts: filled in by ``_count``
@@ -445,10 +428,36 @@ class RunnerDCut(RunnerKnowledge):
             verify_ms=self._verify_ms,
             draft_ms=self._draft_ms,
         )
-        self._held_steps.append(Held(record, pending, verified, self._last, raw))
+        self._held_steps.append(Held(record, pending, verified, self._last, raw, self._step_shape, self.context,
+                                     self._emitted, self._finished_cycle, self._cycle))
+        self._finished_cycle = None
         self._verify_ms = self._draft_ms = None
         if len(self._held_steps) >= ACCOUNT_STEPS:
             self.settle()
+
+    def _time(self, h: Held) -> None:
+        """A held step's timings, in step order: its times refine the cost table, the cycle it finished is
+        measured, and the cycle it started is priced (``_predict``). Held with the rest (``ACCOUNT_STEPS``): the
+        width decision settles before it reads them; exploration's count of fresh cycles and a drafting step's
+        budget read them up to ``ACCOUNT_STEPS`` - 1 steps late (taken each step, they were 0.05 ms of a width-0 step
+        on the CPU engine, a sixth of D-Cut's work there)."""
+        table, record, c = self.cost_table, h.record, h.finished
+        if table is not None and self.settings.refine and h.shape is not None:
+            if record.verify_ms is not None and table.covering(h.shape[0]):
+                table.refine(*h.shape, record.verify_ms, context=h.context)
+            if record.draft_ms is not None:
+                table.refine_draft(h.shape[0], record.width or 0, record.draft_ms)  # (width: always set here)
+        # A probe verifies everything, which the policy would not: it teaches acceptance, and a rate the width can at
+        # least deliver (what exploration weighs), not the rate itself.
+        if c is not None and self.joint and c.clean and c.probe and h.shape is not None:
+            self.realized.add_probe(c.bucket, c.width, h.emitted, c.ms, c.predicted_ms)
+        elif c is not None and self.joint and c.clean and h.shape is not None:
+            self.realized.add(c.bucket, c.width, h.emitted, c.ms, c.predicted_tokens, c.predicted_ms)
+            if c.width == 0:
+                self._zero_cycles += 1
+                self._zero_rows += record.batch_size
+        if self.joint and h.cycle is not None and table is not None:
+            self._predict(h.cycle, table, h.pending, record.batch_size, h.context)
 
     @property
     def window(self) -> StepWindow:
@@ -460,6 +469,8 @@ class RunnerDCut(RunnerKnowledge):
         """Count the held steps (``ACCOUNT_STEPS``: why they wait), in order. Whatever reads what they feed
         (acceptance per width, calibration, the records) calls this first."""
         held, self._held_steps = self._held_steps, []
+        for h in held:
+            self._time(h)
         if held:
             self._count(held)
         first = self._calibrated_at == 0 and self.calibrating <= 0  # the first decisions see the calibration phase
@@ -510,7 +521,8 @@ class RunnerDCut(RunnerKnowledge):
             self._window.add(record)
         prometheus.observe([h.record for h in held], self.fingerprint.model)
 
-    def _predict(self, cycle: Cycle, table: CostTable, pending: Pending | None, bs: int) -> None:
+    def _predict(self, cycle: Cycle, table: CostTable, pending: Pending | None, bs: int,
+                 context: float | None) -> None:
         """What this step's drafts should yield next step, and what the cycle should cost: the kept drafts'
         calibrated prefix scores (every draft for a probe), the table's verify cost for the kept tokens,
         the drafter's cost at the width and the engine's overhead."""
@@ -523,7 +535,7 @@ class RunnerDCut(RunnerKnowledge):
             tokens = bs + bs * float(pending.expected.sum())  # the gains of keeping every draft
         else:  # width 0
             drafts, tokens = 0, float(bs)
-        verify = table.lookup(bs, bs + drafts, self.context)
+        verify = table.lookup(bs, bs + drafts, context)
         draft = table.draft_cost(bs, cycle.width)
         if verify is not None and draft is not None:
             cycle.predicted_tokens = tokens

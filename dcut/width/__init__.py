@@ -25,7 +25,7 @@ One module per part: ``choice`` (the utility and the pick), ``acceptance`` (``Wi
 """
 
 from dcut.width.acceptance import OPTIMISM, WidthStats, marginal_gains, per_request_gains, position_counts
-from dcut.width.choice import WidthChoice, choose_width, width_utilities, widths_for
+from dcut.width.choice import WidthChoice, choose_width, step_costs, utilities_at, width_utilities, widths_for
 from dcut.width.exploration import Explorer, ProbeBudget
 from dcut.width.realized import RealizedRates
 
@@ -40,6 +40,8 @@ __all__ = [
     "marginal_gains",
     "per_request_gains",
     "position_counts",
+    "step_costs",
+    "utilities_at",
     "width_utilities",
     "widths_for",
 ]

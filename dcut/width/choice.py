@@ -45,12 +45,28 @@ def width_utilities(bs: int, widths: Sequence[int], survival: np.ndarray,
     Vectorised over widths and depths (it runs before every drafting pass): one cost lookup for
     all verify sizes ``bs * (1 + d)``, one for all widths.
     """
-    k = survival.shape[1]
-    depths = np.arange(k + 1)
-    verify = verify_ms(bs, bs * (1 + depths))
+    costs = step_costs(bs, widths, survival.shape[1], verify_ms, draft_ms)
+    return utilities_at(bs, widths, survival, costs, overhead_ms)
+
+
+def step_costs(bs: int, widths: Sequence[int], k: int, verify_ms: Callable[[int, np.ndarray], np.ndarray | None],
+               draft_ms: Callable[[int, np.ndarray], np.ndarray | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(verify [k + 1], draft [len(widths)])``: the verify cost at each uniform depth ``0..k`` and the drafter's
+    at each width, for steps of ``bs``; None where either is unknown. Apart from ``utilities_at`` so that one
+    decision can weigh several acceptance curves at the cost of one lookup."""
+    verify = verify_ms(bs, bs * (1 + np.arange(k + 1)))
     draft = draft_ms(bs, np.asarray(widths))
-    if verify is None or draft is None:
+    return None if verify is None or draft is None else (verify, draft)
+
+
+def utilities_at(bs: int, widths: Sequence[int], survival: np.ndarray,
+                 costs: tuple[np.ndarray, np.ndarray] | None,
+                 overhead_ms: Callable[[np.ndarray], np.ndarray]) -> list[WidthChoice | None]:
+    """``width_utilities`` on costs already looked up (``step_costs``)."""
+    if costs is None:
         return [None] * len(widths)
+    verify, draft = costs
+    depths = np.arange(survival.shape[1] + 1)
     gains = np.concatenate([np.zeros((len(widths), 1)), np.cumsum(survival, axis=1)], axis=1)
     tokens = bs * (1.0 + gains)
     step = verify[None, :] + draft[:, None] + overhead_ms(tokens)

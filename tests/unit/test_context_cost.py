@@ -168,6 +168,7 @@ def test_the_runner_refines_and_prices_at_the_batch_context():
         runner.choose_width(16, K)
         runner.on_drafted(reqs, torch.full((16, K), -0.05), None, None)
         runner.cut(reqs, [[0] * K for _ in reqs])
+    runner.settle()  # the steps still held refine the table too
     assert runner.cost_table.offsets[16][1] >= 18  # every step after the first two verified drafts and refined
     assert runner.cost_table.offset(16) == pytest.approx(0.0, abs=1e-6)  # the live steps cost what it predicted
 

@@ -165,6 +165,7 @@ def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
         r.on_drafted(REQS, None, None, None)
         r.cut(REQS, [[], []])
         clock[0] += 0.010
+    r.settle()  # the steps still held
     assert r.realized.summary()["2/0"]["samples"] == 4
     assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(200.0)
     r.on_flush(8.0, rows=80)
