@@ -17,6 +17,8 @@ from dcut.width import (
     choose_width,
     marginal_gains,
     position_counts,
+    step_costs,
+    utilities_at,
     width_utilities,
     widths_for,
 )
@@ -84,6 +86,28 @@ def test_utilities_pick_drafting_when_cheap_and_accepted() -> None:
     assert steep[0].tokens_per_step == 4 and steep[0].step_ms == pytest.approx(5.0)  # tokens / step time
     big = width_utilities(64, widths, survival, steep_verify, lambda bs, w: 0.0 * w, no_overhead)
     assert choose_width(big, None, 0.0).width == 0  # at bs 64 no draft pays its verify cost
+
+
+def test_one_lookup_of_costs_weighs_several_acceptance_curves_as_separate_calls_do() -> None:
+    """A decision prices its model and its optimistic curve on one cost lookup (``step_costs``): the same figures,
+    to the last bit, as a full ``width_utilities`` call per curve; and the lookup is made once."""
+    widths = [0, 2, 4]
+    model = np.array([[0, 0, 0, 0], [0.9, 0.8, 0, 0], [0.9, 0.8, 0.7, 0.6]])
+    hopeful = np.minimum(model + 0.05, 1.0)
+    lookups = []
+
+    def verify(bs: int, tokens: np.ndarray) -> np.ndarray:
+        lookups.append(tokens.tolist())
+        return steep_verify(bs, tokens)
+
+    costs = step_costs(4, widths, 4, verify, lambda bs, w: 0.3 * w)
+    shared = [utilities_at(4, widths, s, costs, lambda t: 0.1 + 0.01 * t) for s in (model, hopeful)]
+    assert len(lookups) == 1 and lookups[0] == [4, 8, 12, 16, 20]
+    alone = [width_utilities(4, widths, s, steep_verify, lambda bs, w: 0.3 * w, lambda t: 0.1 + 0.01 * t)
+             for s in (model, hopeful)]
+    assert shared == alone
+    assert shared[1][2].tokens_per_step > shared[0][2].tokens_per_step  # the optimistic curve expects more
+    assert utilities_at(4, widths, model, None, no_overhead) == [None, None, None]
 
 
 def test_unknown_costs_give_no_choice() -> None:
