@@ -80,10 +80,10 @@ RESCORE_STEPS = 64
 CALIBRATE_REQUESTS = 64
 # Steps whose outcomes are held and counted together (``RunnerDCut.settle``): acceptance per width and position,
 # calibration, each block's price, the step's times (cost-table refinement, cycles measured and priced), the step
-# records and their metrics. What a step's code costs on a CPU engine is
-# mostly the caches the forward pass left cold (measured in an engine: ``select`` 184 us on its first call after the
-# forward, 58 us repeated at once), so counting eight steps in one go costs little more than counting one. What
-# these counts feed (the width decision, ``REDECIDE_STEPS``; the calibration) moves over hundreds of steps.
+# records and their metrics. What a step's code costs on a CPU engine is mostly the caches the forward pass left cold
+# (measured in an engine: ``select`` 184 us on its first call after the forward, 58 us repeated at once), so counting
+# eight steps in one go costs little more than counting one. What these counts feed (the width decision,
+# ``REDECIDE_STEPS``; the calibration) moves over hundreds of steps.
 ACCOUNT_STEPS = 8
 # Steps whose verified outcomes the calibrators hold before they count them in one update (``Calibrator.flush``). An
 # update, and the lookup table rebuilt after it, were the dearest part of a step's accounting (measured warm: 0.44 ms
@@ -429,7 +429,7 @@ class RunnerDCut(RunnerKnowledge):
             draft_ms=self._draft_ms,
         )
         self._held_steps.append(Held(record, pending, verified, self._last, raw, self._step_shape, self.context,
-                                     self._emitted, self._finished_cycle, self._cycle))
+                                     self._finished_cycle, self._cycle))
         self._finished_cycle = None
         self._verify_ms = self._draft_ms = None
         if len(self._held_steps) >= ACCOUNT_STEPS:
@@ -442,6 +442,7 @@ class RunnerDCut(RunnerKnowledge):
         budget read them up to ``ACCOUNT_STEPS`` - 1 steps late (taken each step, they were 0.05 ms of a width-0 step
         on the CPU engine, a sixth of D-Cut's work there)."""
         table, record, c = self.cost_table, h.record, h.finished
+        emitted = record.batch_size + record.accepted
         if table is not None and self.settings.refine and h.shape is not None:
             if record.verify_ms is not None and table.covering(h.shape[0]):
                 table.refine(*h.shape, record.verify_ms, context=h.context)
@@ -450,9 +451,9 @@ class RunnerDCut(RunnerKnowledge):
         # A probe verifies everything, which the policy would not: it teaches acceptance, and a rate the width can at
         # least deliver (what exploration weighs), not the rate itself.
         if c is not None and self.joint and c.clean and c.probe and h.shape is not None:
-            self.realized.add_probe(c.bucket, c.width, h.emitted, c.ms, c.predicted_ms)
+            self.realized.add_probe(c.bucket, c.width, emitted, c.ms, c.predicted_ms)
         elif c is not None and self.joint and c.clean and h.shape is not None:
-            self.realized.add(c.bucket, c.width, h.emitted, c.ms, c.predicted_tokens, c.predicted_ms)
+            self.realized.add(c.bucket, c.width, emitted, c.ms, c.predicted_tokens, c.predicted_ms)
             if c.width == 0:
                 self._zero_cycles += 1
                 self._zero_rows += record.batch_size

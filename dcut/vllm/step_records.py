@@ -69,7 +69,6 @@ class Held:
     raw: Tensor | None  # this step's raw log-confidences, on the host
     shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step, which refines the cost table
     context: float | None = None  # the batch's mean context its costs are priced at
-    emitted: int = 0  # tokens it emitted (bs + accepted drafts)
     finished: Cycle | None = None  # the cycle it finished (measured at settle)
     cycle: Cycle | None = None  # the cycle it started (priced at settle)
 
