@@ -152,9 +152,10 @@ def test_steady_traffic_holds_the_batch_full_and_times_only_that_window(monkeypa
     # A fast request ends at tick 2, one more is admitted at once: two in flight until the last admission.
     first_drain = engine.in_flight.index(1)
     assert set(engine.in_flight[:first_drain]) == {2}
-    # The window runs from the first finish (tick 2) to the first finish with nothing left to admit (tick 12, when
-    # request 3 ends and only request 5 is left to drain); the tokens are those emitted in ticks 3..12.
-    assert (tokens, wall) == (32, 10.0)
+    # The window runs from the second finish (tick 4: bs finishes, the first wave gone) to the fourth (tick 10:
+    # request 4 ends and admits the last request, 5), two finishes and two admissions inside it; the tokens are
+    # those emitted in ticks 5..10.
+    assert (tokens, wall) == (18, 6.0)
     with pytest.raises(RuntimeError, match="no window"):
         _steady(SimpleNamespace(llm_engine=_FakeEngine({"fast": 4}, 8, clock)), ["fast"], 2, 2,
                 SamplingParams(max_tokens=8))
