@@ -18,7 +18,8 @@ Two kinds of traffic (``TRAFFIC``):
   finishes, whether a mode's requests finish together (plain decoding: in waves) or one by one (speculation).
   A window from the first finish instead charged a staggered mode up to a wave's extra prefills: requests
   admitted near its end were prefilled inside it, their tokens mostly after (at bs 64, prompts of ~157 tokens
-  against 128 emitted, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9% faster; from the bs-th finish, 1.07x).
+  against 128 emitted, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9% faster; from
+  the b-th finish, 1.07x).
 - ``batch``: ``max(b, 8)`` prompts decoded b at a time, each batch to its last token; the rate is all
   tokens over the wall time. A fixed batch drains: with speculation requests finish at different steps
   and the last ones run at a batch size far below b (a ramp and a tail that steady traffic does not have).
