@@ -12,7 +12,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from http import HTTPStatus
 from typing import Any
@@ -205,38 +205,31 @@ class VLLMEngine(Engine):
     def _specexit_args(self, body: dict) -> dict:
         """A request's ``"specexit"`` field (true, false, or settings overriding the deployment's), validated and
         handed to the engine as ``vllm_xargs`` (vLLM's route for a request's extra arguments)."""
-        if not isinstance(body, dict) or "specexit" not in body:
-            return body
-        body = dict(body)
-        value = body.pop("specexit")
-        if self.settings.specexit is None:
-            if value in (False, None):
-                return body
-            raise ValueError("specexit: not enabled for this model (a deployment with engine.specexit set)")
-        if isinstance(value, dict):
-            with_overrides(self.settings.specexit, value)  # refused here, with the setting's name
-            arg = json.dumps(value)
-        elif isinstance(value, bool):
-            arg = "true" if value else "false"
-        else:
+        def arg(value: Any) -> str | None:
+            if self.settings.specexit is None:
+                if value in (False, None):
+                    return None
+                raise ValueError("specexit: not enabled for this model (a deployment with engine.specexit set)")
+            if isinstance(value, dict):
+                with_overrides(self.settings.specexit, value)  # refused here, with the setting's name
+                return json.dumps(value)
+            if isinstance(value, bool):
+                return "true" if value else "false"
             raise ValueError("specexit: expected true, false or an object of SpecExit settings")
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "specexit": arg}
-        return body
+        return _to_xargs(body, "specexit", "specexit", arg)
 
     def _speculation_args(self, body: dict) -> dict:
         """A request's ``"speculation"`` field (``dcut.speculation``: true, false or ``{"max_width": N}``),
         validated (a 400 naming it) and handed to the engine as ``vllm_xargs``."""
-        if not isinstance(body, dict) or FIELD not in body:
-            return body
-        body = dict(body)
-        cap = parse_cap(body.pop(FIELD), self.settings.num_speculative_tokens)
-        if cap is None or self.settings.method == "none":  # the deployment's default; or nothing to cap
-            return body
-        if self.settings.dcut is None:
-            raise ValueError(f"{FIELD}: a cap needs D-Cut on this model (engine.dcut); its drafter verifies "
-                             f"{self.settings.num_speculative_tokens} drafts per step")
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), EXTRA_ARG: cap}
-        return body
+        def arg(value: Any) -> int | None:
+            cap = parse_cap(value, self.settings.num_speculative_tokens)
+            if cap is None or self.settings.method == "none":  # the deployment's default; or nothing to cap
+                return None
+            if self.settings.dcut is None:
+                raise ValueError(f"{FIELD}: a cap needs D-Cut on this model (engine.dcut); its drafter verifies "
+                                 f"{self.settings.num_speculative_tokens} drafts per step")
+            return cap
+        return _to_xargs(body, FIELD, EXTRA_ARG, arg)
 
     async def _with_usage(self, item: Any, route: str) -> Any:
         """A response, or a stream's usage chunk, with what speculation did for it (``usage.speculation``: steps,
@@ -295,3 +288,15 @@ def validation_message(e) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts) or str(e)
+
+
+def _to_xargs(body: Any, field: str, key: str, arg: Callable[[Any], Any]) -> Any:
+    """``body`` without its ``field``, and with ``arg`` of that field's value (None: nothing to hand on) in
+    ``vllm_xargs[key]``; ``arg`` raises ValueError on a bad value (a 400). Bodies without the field pass as they are."""
+    if not isinstance(body, dict) or field not in body:
+        return body
+    body = dict(body)
+    value = arg(body.pop(field))
+    if value is not None:
+        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), key: value}
+    return body
