@@ -213,3 +213,23 @@ def test_the_request_field_is_validated_and_handed_to_the_engine_as_extra_args()
     with pytest.raises(ValueError, match="not enabled for this model"):
         off._specexit_args({"specexit": True})
     assert off._specexit_args({"specexit": False}) == {}
+
+
+def test_the_speculation_field_is_validated_and_handed_to_the_engine_as_its_cap() -> None:
+    from dcut.settings import EngineSettings
+    from dcut.speculation import EXTRA_ARG
+    from deployments.vllm_engine import VLLMEngine
+
+    dcut = VLLMEngine(EngineSettings())  # D-Cut on: a request may cap its drafts
+    body = dcut._speculation_args({"prompt": "x", "speculation": {"max_width": 3}, "vllm_xargs": {"a": 1}})
+    assert "speculation" not in body and body["vllm_xargs"] == {"a": 1, EXTRA_ARG: 3}
+    assert dcut._speculation_args({"speculation": False})["vllm_xargs"] == {EXTRA_ARG: 0}
+    assert dcut._speculation_args({"speculation": True}) == {}  # the deployment's default: nothing to hand on
+    assert dcut._speculation_args({"prompt": "x"}) == {"prompt": "x"}
+    with pytest.raises(ValueError, match="max_width"):
+        dcut._speculation_args({"speculation": {"max_width": 99}})
+    plain = VLLMEngine(EngineSettings(dcut=None))  # a drafter without D-Cut verifies every draft: no cap to apply
+    with pytest.raises(ValueError, match="a cap needs D-Cut"):
+        plain._speculation_args({"speculation": {"max_width": 2}})
+    assert VLLMEngine(EngineSettings(method="none", draft=None, dcut=None))._speculation_args(
+        {"speculation": False}) == {}  # nothing speculates: nothing to cap
