@@ -214,6 +214,20 @@ def test_at_a_large_batch_a_width_is_explored_for_cycles_not_only_requests() -> 
     assert measured[0] == 8
 
 
+def test_an_open_contest_is_explored_until_it_resolves_and_a_width_that_could_not_be_chosen_never_is() -> None:
+    """A measured width whose point estimate beats the chosen one (not by enough for the choice to move) is tried
+    again; one whose optimistic bound does not clear the hysteresis is never tried, measured or not."""
+    explorer = Explorer(share=1.0, requests=32, cycles=8)
+    chosen = WidthChoice(11, 11, 40.0, 40.0)  # 1000 tokens/s
+    widths = [3, 5, 11, 15]
+    optimistic, points = [1200.0, 1015.0, 1000.0, 1100.0], [1100.0, 1010.0, 1000.0, 950.0]
+    cycles = {3: 20.0, 5: 0.0, 15: 20.0}
+    picks = {explorer.pick(chosen, widths, optimistic, cycles.get, 16, lambda w: 40.0, points, 0.02) for _ in range(5)}
+    assert picks == {3}  # 15 is measured and behind; 5's bound (1.5 %) is inside the 2 % hysteresis
+    before = [explorer.pick(chosen, widths, optimistic, cycles.get, 16, lambda w: 40.0) for _ in range(5)]
+    assert set(before) == {5}  # without point estimates or margin: only the unmeasured width, however close
+
+
 def test_a_dear_width_waits_for_its_credit() -> None:
     explorer = Explorer(share=0.2, requests=100)
     chosen = WidthChoice(0, 0, 10.0, 10.0)
