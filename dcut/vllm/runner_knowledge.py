@@ -74,24 +74,20 @@ class RunnerKnowledge:
             self.cost_table = CostTable.load_for(self.settings.cost_table, self.fingerprint)
             self.cost_source, self.cost_path = "given", str(self.settings.cost_table)
         elif self.cache_path().exists():
-            self.cost_table = CostTable.load_for(self.cache_path(), self.fingerprint)
+            table = CostTable.load_for(self.cache_path(), self.fingerprint)
+            # The fingerprint leaves out max_num_seqs: a table cached by an engine of fewer sequences lacks our larger
+            # batch sizes, and beyond the table the policy runs blind (live, a table cached by a bs-16 run left a
+            # bs-64 engine drafting nothing on 509 of 512 steps). Profile what is missing, and cache the union.
+            missing = [b for b in batch_sizes if b not in table.points]
+            if missing and self.settings.profile:
+                logger.info("D-Cut: the cached table %s lacks batch sizes %s: profiling them", self.cache_path(),
+                            missing)
+                table = CostTable.merge([table, self._profile(run_step, run_draft, missing, context_lens)])
+                table.save(self.cache_path())
+            self.cost_table = table
             self.cost_source, self.cost_path = "cache", str(self.cache_path())
         elif self.settings.profile:
-            # Every default width as well as the chosen ones: the table is cached by fingerprint and
-            # shared with engines whose widths differ.
-            widths = sorted(set(widths_for(self.k)) | set(widths_for(self.k, self.settings.widths)))
-            logger.info("D-Cut: profiling verify and draft costs for batch sizes %s (K=%d, widths %s)",
-                        batch_sizes, self.k, widths)
-            self.cost_table = profile_cost_table(
-                run_step, batch_sizes, self.k, self.fingerprint, warmups=self.settings.profile_warmups,
-                repeats=self.settings.profile_repeats, run_draft=run_draft, widths=widths)
-            if context_lens:
-                started = time.perf_counter()
-                self.cost_table.context = profile_context(
-                    run_step, self.cost_table.lookup, batch_sizes, self.k, self.settings.profile_context_len,
-                    context_lens, warmups=self.settings.profile_warmups, repeats=self.settings.profile_repeats)
-                logger.info("D-Cut: verify cost by context profiled at %s in %.1f s: slopes %s", context_lens,
-                            time.perf_counter() - started, self.cost_table.context.to_json())
+            self.cost_table = self._profile(run_step, run_draft, batch_sizes, context_lens)
             self.cost_table.save(self.cache_path())
             self.cost_source = "profiled"
         else:
@@ -108,6 +104,26 @@ class RunnerKnowledge:
                 self.adopt(state)
                 logger.info("D-Cut: started from learned state %s (%d measured widths x buckets)",
                             self.settings.learned, len(state.realized))
+
+    def _profile(self, run_step: Any, run_draft: Any, batch_sizes: list[int],
+                 context_lens: list[int] | None) -> CostTable:
+        """A table profiled at ``batch_sizes``: verify and draft costs, and the verify cost's growth with context."""
+        # Every default width as well as the chosen ones: the table is cached by fingerprint and
+        # shared with engines whose widths differ.
+        widths = sorted(set(widths_for(self.k)) | set(widths_for(self.k, self.settings.widths)))
+        logger.info("D-Cut: profiling verify and draft costs for batch sizes %s (K=%d, widths %s)",
+                    batch_sizes, self.k, widths)
+        table = profile_cost_table(
+            run_step, batch_sizes, self.k, self.fingerprint, warmups=self.settings.profile_warmups,
+            repeats=self.settings.profile_repeats, run_draft=run_draft, widths=widths)
+        if context_lens:
+            started = time.perf_counter()
+            table.context = profile_context(
+                run_step, table.lookup, batch_sizes, self.k, self.settings.profile_context_len,
+                context_lens, warmups=self.settings.profile_warmups, repeats=self.settings.profile_repeats)
+            logger.info("D-Cut: verify cost by context profiled at %s in %.1f s: slopes %s", context_lens,
+                        time.perf_counter() - started, table.context.to_json())
+        return table
 
     # -- learned state (dcut.learned) -------------------------------------------------------
     def learned(self) -> LearnedState | None:

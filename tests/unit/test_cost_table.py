@@ -96,6 +96,34 @@ def test_refine_learns_the_constant_a_dummy_profile_leaves_out() -> None:
     assert merged.offset(4) == pytest.approx(7.0, abs=0.05)  # truth has no live samples: no weight
 
 
+def test_refine_learns_a_per_token_cost_the_profile_underestimates() -> None:
+    """Live steps cost 1.4x the profiled rise above a plain step, plus a constant: the line is learned, so costs
+    at token counts the live steps never visited are right too; it survives JSON, and merges by samples."""
+    t, truth = table(), table()
+    first = truth.points[4][0][1]
+    live = {n: truth.lookup(4, n) + 3.0 + 0.4 * (truth.lookup(4, n) - first) for n in (8, 16, 24, 32, 48, 64)}
+    for step in range(400):
+        tokens = [8, 16, 24][step % 3]  # only the small budgets are ever verified
+        t.refine(4, tokens, live[tokens])
+    assert t.gain(4) == pytest.approx(0.4, abs=0.02) and t.offset(4) == pytest.approx(3.0, abs=0.1)
+    assert t.lookup(4, 64) == pytest.approx(live[64], rel=0.01)  # never visited, priced right
+    assert t.costs(4, torch.tensor([64])).item() == pytest.approx(t.lookup(4, 64), rel=1e-5)  # every path alike
+    assert t.lookup_many(4, np.array([48, 64])).tolist() == pytest.approx([live[48], live[64]], rel=0.01)
+    back = CostTable.from_json(json.loads(json.dumps(t.to_json())))
+    assert back.gain(4) == t.gain(4) and back.lookup(4, 64) == pytest.approx(t.lookup(4, 64))
+    back.refine(4, 16, live[16])  # a loaded table goes on from its line, not from scratch
+    assert back.gain(4) == pytest.approx(t.gain(4), abs=0.02)
+    assert CostTable.merge([t, truth]).gain(4) == pytest.approx(t.gain(4))  # truth has no live samples: no weight
+
+
+def test_one_shape_says_nothing_of_the_slope() -> None:
+    """Steps all at one token count move the level, not the gain (its prior, 0, stays)."""
+    t = table()
+    for _ in range(100):
+        t.refine(4, 16, 20.0)
+    assert t.gain(4) == 0.0 and t.lookup(4, 16) == pytest.approx(20.0)
+
+
 def test_merge_weights_by_samples_and_unions_points() -> None:
     a = CostTable(FP, {4: [(4, 10.0, 1), (16, 20.0, 1)]})
     b = CostTable(FP, {4: [(4, 14.0, 3), (64, 50.0, 2)], 8: [(8, 12.0, 1)]})
@@ -110,7 +138,7 @@ def test_merge_weights_by_samples_and_unions_points() -> None:
 def test_json_round_trip(tmp_path: Path) -> None:
     t = table()
     data = json.loads(json.dumps(t.to_json()))
-    assert set(data) == {"fingerprint", "points", "offsets", "plain_offsets", "draft"}
+    assert set(data) == {"fingerprint", "points", "offsets", "plain_offsets", "draft", "gains"}
     assert data["points"]["4"][0] == [4, 10.0, 3]
     back = CostTable.from_json(data)
     assert back.points == t.points and back.fingerprint == t.fingerprint

@@ -189,3 +189,31 @@ def test_joint_drafts_nothing_for_a_batch_whose_requests_lately_accepted_nothing
     assert r.choose_width(2, 4, REQS) == 0
     assert r.choose_width(2, 4, ["new1", "new2"]) == 4
     assert r.held_width(2) == 4  # the held decision is the calibrated one; the history only skips its drafts
+
+
+def test_a_cached_table_lacking_batch_sizes_gets_them_profiled_and_cached(tmp_path) -> None:
+    """The fingerprint leaves out max_num_seqs: an engine of more sequences than the one that cached the table
+    profiles the batch sizes it lacks (only those), and caches the union; one of fewer sequences profiles nothing."""
+    shapes: list[tuple[int, int]] = []
+
+    def run_step(bs: int, tokens: int, context: int | None = None) -> None:
+        shapes.append((bs, tokens))
+
+    def run_draft(bs: int, width: int) -> None:
+        pass
+
+    settings = {"mode": "joint", "cache_dir": str(tmp_path), "profile_warmups": 0, "profile_repeats": 1}
+    first = _runner(**settings)
+    first.load_or_profile(run_step, run_draft, [1, 2])
+    assert first.cost_source == "profiled" and sorted(first.cost_table.points) == [1, 2]
+    shapes.clear()
+    wider = _runner(**settings)
+    wider.load_or_profile(run_step, run_draft, [1, 2, 4, 8])
+    assert wider.cost_source == "cache" and sorted(wider.cost_table.points) == [1, 2, 4, 8]
+    assert {bs for bs, _ in shapes} == {4, 8}  # only what the cache lacked
+    assert wider.cost_table.points[1] == first.cost_table.points[1]
+    assert sorted(CostTable.load(wider.cache_path()).points) == [1, 2, 4, 8]
+    shapes.clear()
+    narrower = _runner(**settings)
+    narrower.load_or_profile(run_step, run_draft, [1, 2])
+    assert narrower.cost_source == "cache" and not shapes and sorted(narrower.cost_table.points) == [1, 2, 4, 8]
