@@ -92,7 +92,11 @@ def test_replica_waits_for_the_one_that_profiles_then_starts_from_its_table(cont
     names += ["a", "b"]
 
     async def scenario():
-        a, b = await asyncio.gather(start(handle, SlowStart), start(handle))
+        first = asyncio.ensure_future(start(handle, SlowStart))
+        # b asks only once a holds the profiling lease: started together, which replica asks first is the event
+        # loop's and the handle's threads' to decide (on a loaded box b sometimes did, and profiled instead of a)
+        await until(lambda: ctrl.leases)
+        a, b = await asyncio.gather(first, start(handle))
         try:
             await until(lambda: not ctrl.leases)  # a's first report ends its profiling lease
             return a, b
