@@ -128,9 +128,7 @@ class CostTable:
         cover = self.covering(bs)
         if cover is None:
             return None
-        xs, ys = self._lists[cover]
-        base = _interp(float(verify_tokens), xs, ys)
-        cost = base + self.gain(cover) * (base - ys[0]) + self.offset(cover)
+        cost = self._corrected(cover, _interp(float(verify_tokens), *self._lists[cover]))
         if verify_tokens <= bs:
             cost = cost + (self.offset(cover, plain=True) - self.offset(cover))
         return cost if self.context is None else float(self.context.apply(cost, verify_tokens, cover, context))
@@ -145,6 +143,12 @@ class CostTable:
         """The live-step correction of a profiled batch size's row's rise above its first point (a plain step):
         live cost = profiled + offset + gain * (profiled - first point). 0 until live steps show one."""
         return self.gains.get(cover, (0.0, 0))[0]
+
+    def _corrected(self, cover: int, base: Any) -> Any:
+        """Profiled costs ``base`` (one float, numpy or torch) with the row's live correction (``gain``, ``offset``)."""
+        gain = self.gain(cover)
+        line = base * (1.0 + gain) - gain * self._lists[cover][1][0] if gain else base
+        return line + self.offset(cover)
 
     def costs(self, bs: int, verify_tokens: Tensor, context: float | None = None) -> Tensor | None:
         """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
@@ -166,9 +170,7 @@ class CostTable:
             grid = np.arange(row[-1][0] + 1)
             values = np.interp(grid, [p[0] for p in row], [p[1] for p in row])
             dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        costs = dense.take(verify_tokens.clamp(0, dense.shape[0] - 1))  # take: the cheapest gather
-        gain = self.gain(cover)
-        costs = (costs * (1.0 + gain) - gain * self._lists[cover][1][0] if gain else costs) + self.offset(cover)
+        costs = self._corrected(cover, dense.take(verify_tokens.clamp(0, dense.shape[0] - 1)))  # the cheapest gather
         delta = self.offset(cover, plain=True) - self.offset(cover)
         costs = costs + (verify_tokens <= bs) * delta if delta else costs
         return costs if self.context is None else self.context.apply(costs, verify_tokens, cover, context)
@@ -179,8 +181,7 @@ class CostTable:
         if cover is None:
             return None
         tokens, ms = self._rows[cover]
-        base = np.interp(verify_tokens, tokens, ms)
-        costs = base + self.gain(cover) * (base - ms[0]) + self.offset(cover)
+        costs = self._corrected(cover, np.interp(verify_tokens, tokens, ms))
         costs = costs + (np.asarray(verify_tokens) <= bs) * (self.offset(cover, plain=True) - self.offset(cover))
         return costs if self.context is None else self.context.apply(costs, np.asarray(verify_tokens), cover, context)
 
