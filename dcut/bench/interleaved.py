@@ -11,15 +11,19 @@ Two kinds of traffic (``TRAFFIC``):
 
 - ``steady`` (the default): concurrency held at b, as a server under load holds it. ``waves * b`` requests
   (at least ``MIN_PROMPTS``), a new one admitted the moment one finishes; the cell's rate is the tokens
-  emitted from the b-th finish to the finish that admits the last request, over that time. What a closed batch
-  adds on both sides (every prompt prefilled at once, then a batch draining to one request) is outside the
-  window; the prefill of every request admitted inside it is in it, mixed with decoding as it is when serving.
-  Both ends are finishes b apart from the run's ends, so the window holds as many admissions (prefills) as
-  finishes, whether a mode's requests finish together (plain decoding: in waves) or one by one (speculation).
-  A window from the first finish instead charged a staggered mode up to a wave's extra prefills: requests
-  admitted near its end were prefilled inside it, their tokens mostly after (at bs 64, prompts of ~157 tokens
-  against 128 emitted, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9% faster; from
-  the b-th finish, 1.07x).
+  emitted from the step that gives request b (the first admitted on a finish) its first token to the step that
+  gives request ``requests - b`` its first, over that time. What a closed batch adds on both sides (every prompt
+  prefilled at once, then a batch draining to one request) is outside the window; the prefills inside it are
+  mixed with decoding as they are when serving. Both ends are the same moment of a prefill (one just done, in
+  admission order, which is the scheduler's), so the window holds the prefills of ``requests - 2b`` requests
+  in every mode, however a mode's requests finish (together: plain decoding, in waves; one by one:
+  speculation) and however its scheduler chunks a prefill. Windows bounded by finishes did not: a prefill runs
+  a few steps after its admission, and where a mode's prefills were chunked finer (a speculative engine's
+  token budget keeps room for every running request's drafts, at bs 32 a quarter of it), the next wave's
+  first prefills fell inside its window and not inside plain decoding's: the same 4,096 tokens carried
+  6,300 prefilled tokens against 5,000, and width 0 pinned measured 0.93x plain decoding with decode steps
+  3 % dearer. A window from the first finish charged a staggered mode up to a wave's extra prefills (at bs
+  64, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9 % faster).
 - ``batch``: ``max(b, 8)`` prompts decoded b at a time, each batch to its last token; the rate is all
   tokens over the wall time. A fixed batch drains: with speculation requests finish at different steps
   and the last ones run at a batch size far below b (a ramp and a tail that steady traffic does not have).
@@ -49,6 +53,11 @@ WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 MIN_PROMPTS = 8
+# steady traffic's window, as a report says it: "first tokens" since it was bounded by prefills (``_steady``), and
+# "finishes" in records from before (no "window" field)
+WINDOWS = {"first tokens": "first token of the request admitted on the first finish to that of the request the "
+                           "last wave starts with",
+           "finishes": "batch size-th finish to the finish that admits the last request"}
 BOOTSTRAP = 2000
 
 
@@ -137,6 +146,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
             "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
+            "window": "first tokens" if traffic == "steady" else None,
             "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
             "cells": cells, "comparisons": comparisons, "runs": runs}
 
@@ -204,9 +214,10 @@ def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
 
 def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
     """``requests`` prompts (cycling ``prompts``) with ``bs`` in flight, one admitted as one finishes: every
-    request's token ids in order, and the tokens emitted and seconds between the ``bs``-th finish and the
-    ``requests - bs``-th (the one that admits the last request): the window of steady concurrency, bounded by
-    finishes so that it holds as many admissions as finishes (``dcut.bench.interleaved`` says why)."""
+    request's token ids in order, and the tokens emitted and seconds from the step that gives request ``bs`` its
+    first token to the one that gives request ``requests - bs`` its first: the window of steady concurrency,
+    bounded by prefills in admission order so that every mode's holds the same ones (``dcut.bench.interleaved``
+    says why)."""
     from vllm.sampling_params import RequestOutputKind
 
     if requests <= 2 * bs:
@@ -216,7 +227,7 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
     delta = params.clone()
     delta.output_kind = RequestOutputKind.DELTA
     out: list[list[int]] = [[] for _ in range(requests)]
-    admitted = finishes = tokens = 0
+    admitted = tokens = 0
     start = end = None
 
     def admit() -> None:
@@ -232,16 +243,14 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
             ids = o.outputs[0].token_ids if o.outputs else []
             out[int(o.request_id.split("-")[1])] += ids
             emitted += len(ids)
-            if o.finished:
-                finishes += 1
-                if admitted < requests:
-                    admit()
+            if o.finished and admitted < requests:
+                admit()
         now = time.perf_counter()
         if start is not None and end is None:
             tokens += emitted
-        if start is None and finishes >= bs:
+        if start is None and out[bs]:
             start = now
-        if end is None and finishes >= requests - bs:
+        if end is None and out[requests - bs]:
             end = now
     assert start is not None and end is not None
     return out, tokens, end - start
@@ -320,7 +329,7 @@ def markdown(record: dict[str, Any]) -> str:
     traffic = record.get("traffic", "batch")
     lines += ["", f"Traffic: {traffic} (" + (
         f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell; rate from the "
-        f"batch size-th finish to the finish that admits the last request" if traffic == "steady" else
+        + WINDOWS[record.get("window", "finishes")] if traffic == "steady" else
         "closed batches, each to its last token; rate over the wall time") + ")."]
     lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
               f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; engine start-up "
