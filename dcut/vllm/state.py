@@ -233,8 +233,10 @@ class RunnerDCut(RunnerKnowledge):
         """``chosen``'s width, or width 0 where the batch's requests' recent blocks (``RequestHistory``) make its
         expected tokens, scaled by their mean factor, slower than a step without drafts."""
         zero = decision.zero
-        factors = None if self.history is None or not req_ids or zero is None else self.history.factors(req_ids)
-        if factors is None or not chosen.width:
+        if not chosen.width or self.history is None or not req_ids or zero is None:
+            return chosen.width
+        factors = self.history.factors(req_ids)
+        if factors is None:
             return chosen.width
         bs = len(req_ids)
         scaled = (bs + float(factors.mean()) * (chosen.tokens_per_step - bs)) / chosen.step_ms
