@@ -9,8 +9,9 @@ faster or slower only where the ratio's interval excludes 1.
 
 Two kinds of traffic (``TRAFFIC``):
 
-- ``steady`` (the default): concurrency held at b, as a server under load holds it. ``waves * b`` requests
-  (at least ``MIN_PROMPTS``), a new one admitted the moment one finishes; the cell's rate is the tokens
+- ``steady`` (the default): concurrency held at b, as a server under load holds it. ``steady_requests(b)``
+  requests (``WAVES * b``, and enough for ``MIN_WINDOW`` admissions inside the window), a new one admitted the
+  moment one finishes; the cell's rate is the tokens
   emitted from the step that gives request b (the first admitted on a finish) its first token to the step that
   gives request ``requests - b`` its first, over that time. What a closed batch adds on both sides (every prompt
   prefilled at once, then a batch draining to one request) is outside the window; the prefills inside it are
@@ -24,6 +25,11 @@ Two kinds of traffic (``TRAFFIC``):
   6,300 prefilled tokens against 5,000, and width 0 pinned measured 0.93x plain decoding with decode steps
   3 % dearer. A window from the first finish charged a staggered mode up to a wave's extra prefills (at bs
   64, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9 % faster).
+  The window holds at least ``MIN_WINDOW`` admissions because greedy requests are the same in every repeat:
+  a window of a few requests measures those prompts, and repeats cannot average them out. Three waves at bs 4 on
+  the MoE pair (12 requests, 4 admitted in the window) put `full` at 1,373 tok/s and `joint` at 1,419 against
+  `none`'s 1,682; sixteen waves (56 admitted) put them at 1,778 / 1,756 / 1,679. The short window was half held by
+  prompts 3 and 4, whose first 24-27 steps accepted no draft.
 - ``batch``: ``max(b, 8)`` prompts decoded b at a time, each batch to its last token; the rate is all
   tokens over the wall time. A fixed batch drains: with speculation requests finish at different steps
   and the last ones run at a batch size far below b (a ramp and a tail that steady traffic does not have).
@@ -53,6 +59,7 @@ WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 MIN_PROMPTS = 8
+MIN_WINDOW = 32  # steady traffic: requests admitted inside the window, at least (module docstring: why)
 # steady traffic's window, as a report says it: "first tokens" since it was bounded by prefills (``_steady``), and
 # "finishes" in records from before (no "window" field)
 WINDOWS = {"first tokens": "first token of the request admitted on the first finish to that of the request the "
@@ -146,6 +153,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
             "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
+            "min_window": MIN_WINDOW if traffic == "steady" else None,
             "window": "first tokens" if traffic == "steady" else None,
             "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
             "cells": cells, "comparisons": comparisons, "runs": runs}
@@ -176,7 +184,7 @@ def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes:
                 if timers is not None:
                     timers.measuring(f"{arm.name}/{bs}")
                 if traffic == "steady":
-                    token_ids, tokens, wall = _steady(llm, prompts, bs, max(WAVES * bs, MIN_PROMPTS), params)
+                    token_ids, tokens, wall = _steady(llm, prompts, bs, steady_requests(bs), params)
                 else:
                     start = time.perf_counter()
                     token_ids = _decode(llm, batch, bs, params)
@@ -210,6 +218,12 @@ def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
     found = sorted((int(k.split("/")[1]), v) for k, v in width_realized.items() if k.split("/")[0] == str(bs))
     return ", ".join(f"width {w}: {v['tokens_per_s']:.0f} / {v['predicted_tokens_per_s']:.0f} ({v['samples']:.0f})"
                      for w, v in found)
+
+
+def steady_requests(bs: int) -> int:
+    """Requests in a steady-traffic cell at ``bs``: ``WAVES`` waves, and ``MIN_WINDOW`` admitted inside the window
+    (which leaves out the first wave and the last ``bs`` admissions)."""
+    return max(WAVES * bs, 2 * bs + MIN_WINDOW)
 
 
 def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
@@ -328,7 +342,9 @@ def markdown(record: dict[str, Any]) -> str:
     m = record["machine"]
     traffic = record.get("traffic", "batch")
     lines += ["", f"Traffic: {traffic} (" + (
-        f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell; rate from the "
+        f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell"
+        + (f" and at least {record['min_window']} admitted in the window" if record.get("min_window") else "")
+        + "; rate from the "
         + WINDOWS[record.get("window", "finishes")] if traffic == "steady" else
         "closed batches, each to its last token; rate over the wall time") + ")."]
     lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
