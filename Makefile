@@ -57,7 +57,7 @@ replay: $(STAMP)   # every policy on the committed traces and cost models, deter
 	$(VENV)/bin/dcut replay --out docs/replay
 
 # the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
-# (~25-40 min): docs/compare-deep
+# (~50 min here): docs/compare-deep
 compare: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
