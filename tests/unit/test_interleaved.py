@@ -203,18 +203,9 @@ def test_steady_window_holds_the_same_prefills_however_the_scheduler_chunks_them
                                                                                 length):
     """Three waves' window measures what forty do, within 2.5 %, where the engine chunks prefills finer while
     requests decode. Bounded by finishes, it measured 5-8 % low here: the next wave's first prefills fell inside."""
-    from types import SimpleNamespace
-
-    from vllm import SamplingParams
-
-    import dcut.bench.interleaved as interleaved
-
     def rate(waves: int) -> float:
-        clock = [0.0]
-        monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
-        engine = _ChunkedEngine(budget, reserve, length, clock)
-        _, tokens, wall = _steady(SimpleNamespace(llm_engine=engine), ["p"], 8, 8 * waves, SamplingParams(max_tokens=8))
-        return tokens / wall
+        return _steady_rate(monkeypatch, lambda clock: _ChunkedEngine(budget, reserve, length, clock), ["p"], 8,
+                            8 * waves, 8)
 
     assert rate(3) == pytest.approx(rate(40), rel=0.025)
 
@@ -225,21 +216,28 @@ def test_steady_window_measures_the_prompts_not_the_few_that_fill_it(monkeypatch
     hundreds, where prompts' speeds differ 16-fold (greedy: every repeat meets the same prompts, so only the window's
     size averages them). Three waves alone measured up to 35 % high here at bs 8 and 16 (live, MoE pair at bs 4:
     speculation measured 0.8x plain decoding where a long window put it at 1.05x)."""
-    from types import SimpleNamespace
-
-    from vllm import SamplingParams
-
     import dcut.bench.interleaved as interleaved
 
     speeds = [1, 4, 8, 2, 16, 1, 3, 12, 6, 1, 8, 16, 2, 5, 10, 1]
     prompts = [f"p{i}" for i in range(len(speeds))]
 
     def rate(requests: int) -> float:
-        clock = [0.0]
-        monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
-        engine = _FakeEngine(dict(zip(prompts, speeds, strict=True)), 128, clock)
-        _, tokens, wall = _steady(SimpleNamespace(llm_engine=engine), prompts, bs, requests,
-                                  SamplingParams(max_tokens=128))
-        return tokens / wall
+        return _steady_rate(monkeypatch, lambda clock: _FakeEngine(dict(zip(prompts, speeds, strict=True)), 128, clock),
+                            prompts, bs, requests, 128)
 
     assert rate(interleaved.steady_requests(bs)) == pytest.approx(rate(400 * bs), rel=0.06)
+
+
+def _steady_rate(monkeypatch, make_engine, prompts: list[str], bs: int, requests: int, max_tokens: int) -> float:
+    """``_steady``'s tokens per tick on a fake engine built by ``make_engine(clock)``, timed by that fake clock."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    import dcut.bench.interleaved as interleaved
+
+    clock = [0.0]
+    monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
+    _, tokens, wall = _steady(SimpleNamespace(llm_engine=make_engine(clock)), prompts, bs, requests,
+                              SamplingParams(max_tokens=max_tokens))
+    return tokens / wall
