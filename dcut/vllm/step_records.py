@@ -86,3 +86,4 @@ class Decided:
     estimates: list[float | None] = field(default_factory=list)
     step_ms: dict[int, float] = field(default_factory=dict)
     zero: WidthChoice | None = None  # width 0's estimate, where it is a candidate
+    hold: int = 0  # choices it is taken again after (``dcut.vllm.state.MAX_HOLD_STEPS``)

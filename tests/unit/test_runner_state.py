@@ -10,7 +10,9 @@ import torch
 
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.settings import DCutSettings
-from dcut.vllm.state import ACCOUNT_STEPS, CALIBRATION_STEPS, RunnerDCut
+from dcut.vllm.state import ACCOUNT_STEPS, CALIBRATION_STEPS, MAX_HOLD_STEPS, REDECIDE_STEPS, RunnerDCut, _held_for
+from dcut.vllm.step_records import Decided
+from dcut.width import WidthChoice
 
 FP = Fingerprint(hardware="cpu", model="m", drafter="d", k=4)
 REQS = ["a", "b"]
@@ -217,3 +219,19 @@ def test_a_cached_table_lacking_batch_sizes_gets_them_profiled_and_cached(tmp_pa
     narrower = _runner(**settings)
     narrower.load_or_profile(run_step, run_draft, [1, 2])
     assert narrower.cost_source == "cache" and not shapes and sorted(narrower.cost_table.points) == [1, 2, 4, 8]
+
+
+def test_a_decision_found_unchanged_is_held_twice_as_long_and_a_change_takes_it_back_to_the_start():
+    def decided(width: int | None) -> Decided:
+        return Decided(0, 16, None if width is None else WidthChoice(width, width, 20.0, 10.0))
+
+    first = _held_for(decided(3), None)
+    assert first.hold == REDECIDE_STEPS
+    holds, last = [], first
+    for _ in range(5):
+        last = _held_for(decided(3), last)
+        holds.append(last.hold)
+    assert holds == [min(REDECIDE_STEPS * 2 ** i, MAX_HOLD_STEPS) for i in range(1, 6)]
+    assert holds[-1] == MAX_HOLD_STEPS > REDECIDE_STEPS
+    assert _held_for(decided(5), last).hold == REDECIDE_STEPS  # another width: watched closely again
+    assert _held_for(decided(None), last).hold == REDECIDE_STEPS  # no cost known: nothing to hold on to
