@@ -65,9 +65,10 @@ logger = logging.getLogger("vllm.dcut")
 
 LOG_INTERVAL_S = 10.0
 NEVER = -1.0e4  # a log-confidence no budget keeps (exp underflows to 0), without -inf arithmetic
-# Steps a width decision holds at its batch size before it is taken again. What it rests on (acceptance per width,
-# measured rates, costs) moves over hundreds of steps, and taking it costs about a millisecond of Python on a
-# CPU engine (under cProfile: 0.8 ms of a 19 ms step at bs 8), more than D-Cut's selection itself.
+# Steps a fresh width decision holds at its batch size before it is taken again (``MAX_HOLD_STEPS``: longer once
+# settled). What it rests on (acceptance per width, measured rates, costs) moves over hundreds of steps, and taking it
+# costs about a millisecond of Python on a CPU engine (under cProfile: 0.8 ms of a 19 ms step at bs 8), more than
+# D-Cut's selection itself.
 REDECIDE_STEPS = 8
 # A decision taken again and found unchanged is held twice as long as the last, up to this many steps; a change
 # brings the hold back to ``REDECIDE_STEPS``. Settled, the width is re-taken only to notice a change (profiled at bs
