@@ -585,9 +585,11 @@ class RunnerDCut(RunnerKnowledge):
 
 def _held_for(decision: Decided, last: Decided | None) -> Decided:
     """``decision`` with its hold: twice ``last``'s where it chose the same width, else ``REDECIDE_STEPS``."""
-    same = last is not None and decision.chosen is not None and last.chosen is not None \
-        and decision.chosen.width == last.chosen.width
-    decision.hold = min(2 * last.hold, MAX_HOLD_STEPS) if same and last is not None else REDECIDE_STEPS
+    if last is not None and decision.chosen is not None and last.chosen is not None \
+            and decision.chosen.width == last.chosen.width:
+        decision.hold = min(2 * last.hold, MAX_HOLD_STEPS)
+    else:
+        decision.hold = REDECIDE_STEPS
     return decision
 
 
