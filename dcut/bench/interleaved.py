@@ -35,6 +35,13 @@ Two kinds of traffic (``TRAFFIC``):
   and the last ones run at a batch size far below b (a ramp and a tail that steady traffic does not have).
 
 Every cell runs after one untimed warm-up of the same shape (a closed batch).
+
+Build order. Engines share one process, and on the 2-core box an engine's place in it moves its rate: two identical
+plain engines, built one after the other, ran the second at 0.972x the first at bs 1 (paired, 5 repeats; its target
+forward 0.14 ms dearer), about the 3 % the width-0 floor is judged on. So the engines are built in an order shuffled
+by the seed (``build_order="shuffled"``, recorded), not always in the order the modes are named; ``given`` builds
+them as named, for a balanced design such as ``none,joint-w0,joint-w0#2,none#2`` (A B B A). A copy ``mode#N`` is
+one more engine of ``mode``, an arm of its own; beside ``none`` it is the control that measures placement.
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ TRAFFIC = ("steady", "batch")
 WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
+# a second (third...) engine of a mode, built and run as one more arm: ``none#2`` against ``none`` measures what an
+# engine's place in the process alone does (module docstring: build order)
+COPY = re.compile(r"(.+)#(\d+)")
+BUILD_ORDERS = ("shuffled", "given")
 MIN_PROMPTS = 8
 MIN_WINDOW = 32  # steady traffic: requests admitted inside the window, at least (module docstring: why)
 # steady traffic's window, as a report says it: "first tokens" since it was bounded by prefills (``_steady``), and
@@ -76,6 +87,12 @@ class Arm:
     settings: EngineSettings
 
 
+def base_mode(mode: str) -> str:
+    """``none#2`` -> ``none``: the mode a copy is an engine of."""
+    copy = COPY.fullmatch(mode)
+    return copy.group(1) if copy else mode
+
+
 def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, int, int]] | None) -> list[Arm]:
     """``none`` (no speculation: no drafter, vLLM's default asynchronous scheduling), ``none-sync`` (no drafter,
     synchronous scheduling, as every speculative engine here runs: a diagnostic of the floor), ``full`` (every
@@ -83,9 +100,10 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor; ``joint-wN`` pins
     width N), ``joint-blind`` (joint deciding at the profiled context, not the batch's: what the context axis
     changes); all built by ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut
-    sweep`` builds them."""
+    sweep`` builds them. ``mode#N`` is another engine of ``mode``."""
     arms = []
-    for mode in modes:
+    for name in modes:
+        mode = base_mode(name)
         if mode == "dynamic":
             s = dynamic_settings(base, schedule or [])
         elif (pinned := PINNED.fullmatch(mode)) is not None:
@@ -102,7 +120,7 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
             s = settings_for_mode(mode, base)
         else:
             raise ValueError(unknown_mode(mode, COMPARE_MODES))
-        arms.append(Arm(mode, s))
+        arms.append(Arm(name, s))
     return arms
 
 
@@ -113,22 +131,25 @@ def bootstrap_median(values: list[float], rng: np.random.Generator) -> tuple[flo
     return float(np.median(data)), float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
-def verdict(low: float, high: float) -> str:
-    """Of a ratio other/joint: ``joint faster`` where the whole interval is below 1, and so on."""
+def verdict(low: float, high: float, against: str = "joint") -> str:
+    """Of a ratio other/``against``: ``joint faster`` where the whole interval is below 1, and so on."""
     if high < 1.0:
-        return "joint faster"
+        return f"{against} faster"
     if low > 1.0:
-        return "joint slower"
+        return f"{against} slower"
     return "within noise"
 
 
 def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list, max_tokens: int,
             repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0,
-            traffic: str = "steady", breakdown: bool = False) -> dict[str, Any]:
-    """Build every arm's engine, then run the interleaved rounds; the record the report is made of.
-    ``breakdown``: also time the parts of each engine step in the timed runs (``dcut.bench.breakdown``)."""
+            traffic: str = "steady", breakdown: bool = False, build_order: str = "shuffled") -> dict[str, Any]:
+    """Build every arm's engine (in ``build_order``: module docstring), then run the interleaved rounds; the record
+    the report is made of. ``breakdown``: also time the parts of each engine step in the timed runs
+    (``dcut.bench.breakdown``)."""
     if traffic not in TRAFFIC:
         raise ValueError(f"traffic {traffic!r}: choose from {', '.join(TRAFFIC)}")
+    if build_order not in BUILD_ORDERS:
+        raise ValueError(f"build order {build_order!r}: choose from {', '.join(BUILD_ORDERS)}")
     from vllm import LLM, SamplingParams
 
     from dcut.vllm.engine import engine_kwargs
@@ -136,8 +157,11 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     # No prefix caching in any arm (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
     base = base.model_copy(update={"max_num_seqs": max(batch_sizes), "prefix_caching": False})
     arms = arms_for(base, modes, schedule)
+    builds = list(arms)
+    if build_order == "shuffled":
+        random.Random(f"build {seed}").shuffle(builds)
     engines = {}
-    for arm in tqdm(arms, desc="building engines", unit="engine"):
+    for arm in tqdm(builds, desc="building engines", unit="engine"):
         start = time.perf_counter()
         engines[arm.name] = (_build_engine(LLM, engine_kwargs(arm.settings)), time.perf_counter() - start)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -147,7 +171,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     with timers or nullcontext():
         runs, stats = _rounds(engines, arms, batch_sizes, prompts, repeats, params, traffic, order_rng, timers, bar)
     bar.close()
-    cells, comparisons = _summaries(runs, arms, batch_sizes, boot)
+    cells, comparisons, controls = _summaries(runs, arms, batch_sizes, boot)
     for c in cells:
         c.update(stats.get((c["mode"], c["bs"]), {}))
     return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
@@ -155,8 +179,9 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
             "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
             "min_window": MIN_WINDOW if traffic == "steady" else None,
             "window": "first tokens" if traffic == "steady" else None,
-            "schedule": schedule, "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
-            "cells": cells, "comparisons": comparisons, "runs": runs}
+            "schedule": schedule, "build_order": [a.name for a in builds],
+            "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
+            "cells": cells, "comparisons": comparisons, "controls": controls, "runs": runs}
 
 
 def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes: list[int], prompts: list,
@@ -270,13 +295,37 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
     return out, tokens, end - start
 
 
+def control_of(mode: str) -> str | None:
+    """The arm a diagnostic arm is paired with: a copy with its original, width 0 pinned and ``none-sync`` with
+    ``none`` (what they are a floor or a control of); None for a rival."""
+    if COPY.fullmatch(mode):
+        return base_mode(mode)
+    return "none" if mode in ("joint-w0", "none-sync") else None
+
+
 def _summaries(runs: list[dict[str, Any]], arms: list[Arm], batch_sizes: list[int],
-               rng: np.random.Generator) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+               rng: np.random.Generator) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Per cell: median tokens/s with its interval, and whether greedy output matched ``none``'s;
-    per (bs, mode): the paired ratio mode/joint with its interval and the verdict."""
+    per (bs, mode): the paired ratio mode/joint with its interval and the verdict; per (bs, diagnostic arm): its
+    paired ratio to what it is a control of (``control_of``)."""
     by = {(r["mode"], r["bs"], r["repeat"]): r for r in runs}
     repeats = sorted({r["repeat"] for r in runs})
-    cells, comparisons = [], []
+    names = {a.name for a in arms}
+
+    def rate(modes: list[str], bs: int, r: int) -> float:  # one round's rate of a mode's engines, their mean
+        return float(np.mean([by[(m, bs, r)]["tokens_per_s"] for m in modes]))
+
+    def paired(mode: list[str], against: list[str], bs: int) -> tuple[float, float, float]:
+        return bootstrap_median([rate(mode, bs, r) / rate(against, bs, r) for r in repeats], rng)
+
+    engines: dict[str, list[str]] = {}  # a mode's engines: itself and its copies
+    for a in arms:
+        engines.setdefault(base_mode(a.name), []).append(a.name)
+    # a floor whose both sides have copies (A B B A) is also measured on all of them: placement averaged out
+    pooled = [(m, ref) for m, ref in ((m, control_of(m)) for m in engines) if ref in engines
+              and len(engines[m]) > 1 and len(engines[ref]) > 1]
+
+    cells, comparisons, controls = [], [], []
     for bs in batch_sizes:
         reference = {r["token_ids_sha256"] for r in runs if r["bs"] == bs and r["mode"] == "none"}
         for arm in arms:
@@ -285,15 +334,22 @@ def _summaries(runs: list[dict[str, Any]], arms: list[Arm], batch_sizes: list[in
             shas = {by[(arm.name, bs, r)]["token_ids_sha256"] for r in repeats}
             cells.append({"mode": arm.name, "bs": bs, "tokens_per_s": median, "ci95": [low, high],
                           "runs": rates, "identical_to_none": (shas == reference) if reference else None})
-        if any(a.name == "joint" for a in arms):
-            for arm in arms:
-                if arm.name == "joint":
-                    continue
-                ratios = [by[(arm.name, bs, r)]["tokens_per_s"] / by[("joint", bs, r)]["tokens_per_s"] for r in repeats]
-                median, low, high = bootstrap_median(ratios, rng)
+        for arm in arms:
+            if "joint" in names and arm.name != "joint":
+                median, low, high = paired([arm.name], ["joint"], bs)
                 comparisons.append({"bs": bs, "mode": arm.name, "ratio_to_joint": median, "ci95": [low, high],
                                     "verdict": verdict(low, high)})
-    return cells, comparisons
+        pairs = [([a.name], [ref]) for a in arms if (ref := control_of(a.name)) in names]
+        for mode, against in pairs + [(engines[m], engines[ref]) for m, ref in pooled]:
+            median, low, high = paired(mode, against, bs)
+            controls.append({"bs": bs, "mode": _label(mode), "against": _label(against), "ratio": median,
+                             "ci95": [low, high], "verdict": verdict(low, high, against[0])})
+    return cells, comparisons, controls
+
+
+def _label(engines: list[str]) -> str:
+    """An arm's name, or for a mode's engines together ``joint-w0 (2 engines)``."""
+    return engines[0] if len(engines) == 1 else f"{engines[0]} ({len(engines)} engines)"
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -318,8 +374,8 @@ def markdown(record: dict[str, Any]) -> str:
             f"{comp[(m, b)]['verdict']}" for b in sizes) + " |")
     best = []
     for b in sizes:
-        others = [cell[(m, b)]["tokens_per_s"] for m in modes
-                  if m not in ("joint", "none-sync") and not PINNED.fullmatch(m)]  # diagnostics, not rivals
+        others = [cell[(m, b)]["tokens_per_s"] for m in modes  # diagnostics are not rivals
+                  if m != "joint" and control_of(m) is None and not PINNED.fullmatch(m)]
         if others and ("joint", b) in cell:
             best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
     if best:
@@ -328,6 +384,14 @@ def markdown(record: dict[str, Any]) -> str:
         floor = [f"bs {b}: {cell[('joint-w0', b)]['tokens_per_s'] / cell[('none', b)]['tokens_per_s']:.3f}"
                  for b in sizes]
         lines += ["", "Width 0 pinned (`joint-w0`) ÷ no speculation (`none`), medians: " + ", ".join(floor) + "."]
+    control = {(c["mode"], c["bs"]): c for c in record.get("controls", [])}
+    if control:
+        lines += ["", "## Floors and controls: each ÷ what it is measured against, paired by round: median "
+                  "[95% interval], verdict", "", "| arm | " + head[len("| mode | "):]]
+        lines += [f"| {m} ÷ {control[(m, sizes[0])]['against']} | " + " | ".join(
+            f"{control[(m, b)]['ratio']:.3f} [{control[(m, b)]['ci95'][0]:.2f}–{control[(m, b)]['ci95'][1]:.2f}] "
+            f"{control[(m, b)]['verdict']}" for b in sizes) + " |"
+            for m in dict.fromkeys(c["mode"] for c in record["controls"])]
     same = all(c["identical_to_none"] in (True, None) for c in record["cells"])
     lines += ["", f"Greedy outputs identical to `none` in every run: **{'yes' if same else 'NO'}**."]
     widths = [f"bs {b}: {cell[('joint', b)].get('width_histogram')}" for b in sizes if ("joint", b) in cell]
@@ -347,9 +411,11 @@ def markdown(record: dict[str, Any]) -> str:
         + "; rate from the "
         + WINDOWS[record.get("window", "finishes")] if traffic == "steady" else
         "closed batches, each to its last token; rate over the wall time") + ")."]
+    built = f"engines built in the order {', '.join(record['build_order'])}" if "build_order" in record else \
+        "engines built in the order the modes are named"  # a record from before the shuffled build order
     lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
-              f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; engine start-up "
-              f"{record['startup_s']} s."]
+              f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; {built}; engine "
+              f"start-up {record['startup_s']} s."]
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dcut.bench.interleaved import COMPARE_MODES, PINNED, TRAFFIC
+from dcut.bench.interleaved import BUILD_ORDERS, COMPARE_MODES, PINNED, TRAFFIC, base_mode
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
 from dcut.prompts import DEFAULT_PROMPTS, token_prompts
@@ -18,7 +18,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
     parser.add_argument("--bs", default="1,4,8,16,32,64", help="batch sizes")
     parser.add_argument("--modes", default="none,full,dynamic,joint,joint-w0",
-                        help=f"comma-separated, from {', '.join(COMPARE_MODES)}, or joint-wN (joint pinned to width N)")
+                        help=f"comma-separated, from {', '.join(COMPARE_MODES)}, or joint-wN (joint pinned to width "
+                        "N); MODE#N is one more engine of MODE (none#2 beside none: what an engine's place in the "
+                        "process alone does)")
     parser.add_argument("--dynamic-schedule", type=parse_schedule,
                         help="vLLM dynamic speculation for mode dynamic, e.g. '1-1:15,2-4:7,5-64:3' (bs range: K)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
@@ -32,6 +34,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(prefill and a draining tail in every cell)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
+    parser.add_argument("--build-order", choices=BUILD_ORDERS, default="shuffled",
+                        help="shuffled (by --seed): engines built in a random order, so no mode always gets the first "
+                        "place in the process; given: in the order of --modes (e.g. none,joint-w0,joint-w0#2,none#2 "
+                        "for A B B A)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the parts of each engine step (target forward, drafting, D-Cut's hooks, "
                         "scheduler) in the timed runs, in ms per step per mode (dcut.bench.breakdown)")
@@ -41,8 +47,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dcut.bench.interleaved import compare, markdown
 
-    pinned = tuple(m.strip() for m in args.modes.split(",") if PINNED.fullmatch(m.strip()))
-    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES + pinned)
+    named = [m.strip() for m in args.modes.split(",")]
+    pinned = tuple(m for m in named if PINNED.fullmatch(base_mode(m)))
+    copies = tuple(m for m in named if m != base_mode(m) and base_mode(m) in COMPARE_MODES + pinned)
+    sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES + pinned + copies)
+    if len(set(modes)) < len(modes):
+        raise CommandError("--modes names a mode twice; a second engine of a mode is MODE#2")
     if "dynamic" in modes and not args.dynamic_schedule:
         raise CommandError("mode dynamic needs --dynamic-schedule")
     if args.repeats < 2 or args.max_tokens < 1:
@@ -55,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = token_prompts(prompts, Path(base.model) / "tokenizer.json", args.prompt_tokens,
                                 max(64, len(prompts)))
     record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed,
-                     args.traffic, args.breakdown)
+                     args.traffic, args.breakdown, args.build_order)
     record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -169,6 +169,21 @@ def test_the_step_breakdown_times_the_parts_of_a_real_engines_steps(tiny, cache_
     assert parts["engine step"] > parts["execute_model"] > parts["target forward"] > 0.0, parts
 
 
+def test_compare_builds_in_a_shuffled_order_and_pairs_each_floor_and_copy_with_what_it_measures(tiny, cache_dir):
+    """``dcut compare`` end to end on real engines: every engine built once (in the seed's shuffled order), a copy
+    of ``none`` and width 0 pinned emit what ``none`` emits, and each is paired with ``none`` in the report."""
+    from dcut.bench.interleaved import compare, markdown
+
+    modes = ["none", "none#2", "joint-w0"]
+    record = compare(_settings(tiny, "dflash", "joint", cache_dir), modes, [2], PROMPTS[:8], max_tokens=8,
+                     repeats=2, seed=3, traffic="batch")
+    gc.collect()
+    assert sorted(record["build_order"]) == sorted(modes) and set(record["startup_s"]) == set(modes)
+    assert all(c["identical_to_none"] for c in record["cells"]), record["cells"]
+    assert {(c["mode"], c["against"]) for c in record["controls"]} == {("none#2", "none"), ("joint-w0", "none")}
+    assert "| none#2 ÷ none | " in markdown(record)
+
+
 def test_fingerprint_resolves_dtype_aliases_as_the_engine_does(tiny, cache_dir):
     """A controller's table is found by the key the engine will use, whatever spelling of dtype."""
     from dcut.vllm.fingerprint import fingerprint

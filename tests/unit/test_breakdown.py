@@ -67,7 +67,7 @@ def test_the_report_shows_each_modes_parts_per_batch_size() -> None:
     runs = [{"mode": m, "bs": 8, "repeat": r, "tokens_per_s": v, "token_ids_sha256": "x"}
             for m, v in (("none", 100.0), ("joint-w0", 95.0)) for r in range(2)]
     arms = arms_for(EngineSettings(), ["none", "joint-w0"], None)
-    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    cells, comparisons, _ = _summaries(runs, arms, [8], np.random.default_rng(0))
     cells[0]["step_ms"] = {"engine step": 17.083, "target forward": 14.257}
     cells[1]["step_ms"] = {"engine step": 18.298, "target forward": 14.762, "D-Cut cut": 0.084}
     record = {"batch_sizes": [8], "modes": ["none", "joint-w0"], "cells": cells, "comparisons": comparisons,

@@ -34,6 +34,8 @@ def test_arms_build_what_each_mode_means():
     assert arms["dynamic"].dcut.mode == "full"  # vLLM's dynamic K, every draft verified as in full
     assert arms["joint"].dcut.mode == "joint" and arms["joint-w0"].dcut.widths == [0]
     assert {a.name: a.settings for a in arms_for(base, ["joint-w3"], None)}["joint-w3"].dcut.widths == [3]
+    copies = {a.name: a.settings for a in arms_for(base, ["none", "none#2", "joint-w0#2"], None)}
+    assert copies["none#2"] == copies["none"] and copies["joint-w0#2"].dcut.widths == [0]  # one more engine of each
     with pytest.raises(ValueError, match="schedule"):
         arms_for(base, ["dynamic"], None)
     with pytest.raises(ValueError, match="unknown mode"):
@@ -59,7 +61,7 @@ def test_paired_ratios_rank_modes_that_drift_together():
     drift = [1.0, 0.8, 0.6, 0.9, 0.7]
     runs = _runs({"none": [100 * d for d in drift], "joint": [110 * d for d in drift]})
     arms = arms_for(EngineSettings(), ["none", "joint"], None)
-    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    cells, comparisons, _ = _summaries(runs, arms, [8], np.random.default_rng(0))
     assert [c["identical_to_none"] for c in cells] == [True, True]
     (none_vs_joint,) = comparisons
     assert none_vs_joint["ratio_to_joint"] == pytest.approx(100 / 110) and none_vs_joint["verdict"] == "joint faster"
@@ -73,14 +75,14 @@ def test_paired_ratios_rank_modes_that_drift_together():
 def test_a_differing_output_is_reported():
     runs = _runs({"none": [1.0, 1.0]}) + [{**r, "mode": "joint", "token_ids_sha256": "b"}
                                            for r in _runs({"none": [1.0, 1.0]})]
-    cells, _ = _summaries(runs, arms_for(EngineSettings(), ["none", "joint"], None), [8], np.random.default_rng(0))
+    cells, _, _ = _summaries(runs, arms_for(EngineSettings(), ["none", "joint"], None), [8], np.random.default_rng(0))
     assert [c["identical_to_none"] for c in cells] == [True, False]
 
 
 def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
     runs = _runs({"none": [100.0, 101.0], "joint-w0": [90.0, 91.0]})
     arms = arms_for(EngineSettings(), ["none", "joint-w0"], None)
-    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    cells, comparisons, _ = _summaries(runs, arms, [8], np.random.default_rng(0))
     record = {"batch_sizes": [8], "modes": ["none", "joint-w0"], "cells": cells, "comparisons": comparisons,
               "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {},
               "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
@@ -88,10 +90,41 @@ def test_a_comparison_without_joint_still_reports_its_cells_and_floor():
     assert "Traffic: batch (closed batches" in markdown(record)  # a record from before steady traffic
 
 
+def test_floors_and_copies_are_paired_with_what_they_measure_and_kept_out_of_the_rivals():
+    # The machine drifts over the rounds; the copy of none is 3 % slower in every round, width 0 1 % slower.
+    drift = [1.0, 0.8, 0.6, 0.9, 0.7]
+    runs = _runs({"none": [100 * d for d in drift], "none#2": [97 * d for d in drift],
+                  "joint-w0": [99 * d for d in drift], "joint": [90 * d for d in drift]})
+    arms = arms_for(EngineSettings(), ["none", "none#2", "joint-w0", "joint"], None)
+    cells, comparisons, controls = _summaries(runs, arms, [8], np.random.default_rng(0))
+    assert {(c["mode"], c["against"]): round(c["ratio"], 3) for c in controls} == {
+        ("none#2", "none"): 0.97, ("joint-w0", "none"): 0.99}
+    assert {c["mode"]: c["verdict"] for c in controls} == {"none#2": "none faster", "joint-w0": "none faster"}
+    record = {"batch_sizes": [8], "modes": ["none", "none#2", "joint-w0", "joint"], "cells": cells,
+              "comparisons": comparisons, "controls": controls, "repeats": 5, "max_tokens": 128, "seed": 0,
+              "schedule": None, "startup_s": {}, "build_order": ["joint", "none#2", "none", "joint-w0"],
+              "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
+    text = markdown(record)
+    assert "| none#2 ÷ none | 0.970 [0.97–0.97] none faster |" in text
+    assert "bs 8: 0.900" in text  # joint ÷ none: the copy (97) and width 0 (99) are not rivals
+    assert "engines built in the order joint, none#2, none, joint-w0" in text
+
+
+def test_a_floor_built_a_b_b_a_is_also_measured_on_all_its_engines_together():
+    # Each engine built later runs 2 % slower: none 100, joint-w0 98, joint-w0#2 96, none#2 94. Width 0 costs
+    # nothing, and only the pooled ratio, (98 + 96) / (100 + 94), says so.
+    runs = _runs({"none": [100.0] * 5, "joint-w0": [98.0] * 5, "joint-w0#2": [96.0] * 5, "none#2": [94.0] * 5})
+    arms = arms_for(EngineSettings(), ["none", "joint-w0", "joint-w0#2", "none#2"], None)
+    _, _, controls = _summaries(runs, arms, [8], np.random.default_rng(0))
+    ratios = {(c["mode"], c["against"]): round(c["ratio"], 3) for c in controls}
+    assert ratios == {("joint-w0", "none"): 0.98, ("joint-w0#2", "joint-w0"): 0.98, ("none#2", "none"): 0.94,
+                      ("joint-w0 (2 engines)", "none (2 engines)"): 1.0}
+
+
 def test_the_report_shows_predicted_beside_realized_at_each_cells_own_bucket_and_the_traffic():
     runs = _runs({"none": [100.0, 101.0], "joint": [110.0, 111.0]})
     arms = arms_for(EngineSettings(), ["none", "joint"], None)
-    cells, comparisons = _summaries(runs, arms, [8], np.random.default_rng(0))
+    cells, comparisons, _ = _summaries(runs, arms, [8], np.random.default_rng(0))
     cells[1]["width_realized"] = {"8/3": {"tokens_per_s": 1790.4, "predicted_tokens_per_s": 1829.0, "samples": 222},
                                   "8/15": {"tokens_per_s": 2185.0, "predicted_tokens_per_s": 2156.0, "samples": 99},
                                   "4/15": {"tokens_per_s": 1.0, "predicted_tokens_per_s": 2.0, "samples": 5}}

@@ -19,6 +19,8 @@ from dcut.cli import main
     (["compare", "--out", "x", "--modes", "none,fastest"], "unknown modes"),
     (["compare", "--out", "x", "--modes", "none,dynamic"], "--dynamic-schedule"),
     (["compare", "--out", "x", "--modes", "none,joint", "--repeats", "1"], "--repeats"),
+    (["compare", "--out", "x", "--modes", "none,none"], "MODE#2"),
+    (["compare", "--out", "x", "--modes", "none,fastest#2"], "unknown modes"),
 ])
 def test_bad_input_is_refused(argv, message, capsys):
     assert main(argv) == 2
