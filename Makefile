@@ -16,7 +16,7 @@ ifeq ($(EXTRA),cpu)
 export VLLM_USE_AOT_COMPILE ?= 0
 endif
 
-.PHONY: setup test test-unit serve lint sweep replay compare compare-batch loadtest loadtest-quick
+.PHONY: setup test test-unit serve lint sweep replay compare compare-floor compare-batch loadtest loadtest-quick
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -62,6 +62,12 @@ compare: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
 		--out docs/compare-deep
+
+# the width-0 floor, engines built A B B A so that their place in the process averages out (~40 min here):
+# docs/compare-floor
+compare-floor: $(STAMP)
+	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
+		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/compare-floor
 
 compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/compare-deep-batch
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-w0 \

@@ -157,15 +157,15 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     # No prefix caching in any arm (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
     base = base.model_copy(update={"max_num_seqs": max(batch_sizes), "prefix_caching": False})
     arms = arms_for(base, modes, schedule)
+    order_rng, boot = random.Random(seed), np.random.default_rng(seed)
     builds = list(arms)
     if build_order == "shuffled":
-        random.Random(f"build {seed}").shuffle(builds)
+        order_rng.shuffle(builds)
     engines = {}
     for arm in tqdm(builds, desc="building engines", unit="engine"):
         start = time.perf_counter()
         engines[arm.name] = (_build_engine(LLM, engine_kwargs(arm.settings)), time.perf_counter() - start)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    order_rng, boot = random.Random(seed), np.random.default_rng(seed)
     bar = tqdm(total=len(batch_sizes) * repeats * len(arms), desc="interleaved", unit="run")
     timers = StepBreakdown() if breakdown else None
     with timers or nullcontext():
