@@ -36,12 +36,14 @@ Two kinds of traffic (``TRAFFIC``):
 
 Every cell runs after one untimed warm-up of the same shape (a closed batch).
 
-Build order. Engines share one process, and on the 2-core box an engine's place in it moves its rate: two identical
-plain engines, built one after the other, ran the second at 0.972x the first at bs 1 (paired, 5 repeats; its target
-forward 0.14 ms dearer), about the 3 % the width-0 floor is judged on. So the engines are built in an order shuffled
-by the seed (``build_order="shuffled"``, recorded), not always in the order the modes are named; ``given`` builds
-them as named, for a balanced design such as ``none,joint-w0,joint-w0#2,none#2`` (A B B A). A copy ``mode#N`` is
-one more engine of ``mode``, an arm of its own; beside ``none`` it is the control that measures placement.
+Build order. Engines share one process, and an engine's place in it might move its rate: two identical plain
+engines, built one after the other, once ran the second at 0.972x the first at bs 1 (paired, 5 repeats, interval
+0.94-1.02), about the 3 % the width-0 floor is judged on. So the engines are built in an order shuffled by the seed
+(``build_order="shuffled"``, recorded), not always in the order the modes are named; ``given`` builds them as named,
+for a balanced design such as ``none,joint-w0,joint-w0#2,none#2`` (A B B A, ``make compare-floor``), whose floor is
+also reported over both engines of each mode. A copy ``mode#N`` is one more engine of ``mode``, an arm of its own;
+beside ``none`` it is the control that measures placement (in the A B B A run of 2026-12-03, ``none#2`` built
+fourth ran at 0.975-1.013x ``none`` built first, paired, no interval excluding 1: no placement effect seen).
 """
 
 from __future__ import annotations
