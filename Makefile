@@ -63,7 +63,7 @@ compare: $(STAMP)
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
 		--out docs/compare-deep
 
-# the width-0 floor, engines built A B B A so that their place in the process averages out (~40 min here):
+# the width-0 floor, engines built A B B A so that their place in the process averages out (~50 min here):
 # docs/compare-floor
 compare-floor: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
