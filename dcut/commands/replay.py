@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,6 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bs", help="batch sizes of a custom case, e.g. 1,4,16,64 (default: the cost model's)")
     parser.add_argument("--context", type=float, help="a custom case: every step's mean context length instead of "
                         "the trace's (priced where the cost table has a context term)")
+    parser.add_argument("--drift", help="FACTOR:STEPS: every case on a machine whose every cost is FACTOR times "
+                        "slower on alternate stretches of STEPS steps, e.g. 1.5:150 (default: steady)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
@@ -40,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--trace and --costs go together")
     if args.context is not None and (args.trace is None or args.context < 1):
         raise CommandError("--context is a custom case's (with --trace and --costs), at least 1")
+    drift = None if args.drift is None else _drift(args.drift)
     try:
         if args.trace is not None:
             cases = [custom_case(Path(args.trace), Path(args.costs), args.bs, args.context)]
@@ -47,7 +51,21 @@ def run(args: argparse.Namespace) -> int:
             cases = [CASES[name]() for name in (args.case or sorted(CASES))]
     except (OSError, ValueError, KeyError) as e:
         raise CommandError(str(e)) from e
+    if drift is not None:
+        cases = [dataclasses.replace(c, drift=drift) for c in cases]
     report = write_report(cases, Path(args.out), args.steps, args.warmup)
     if args.json:
         print(json.dumps(report, indent=1))
     return 0
+
+
+def _drift(text: str):  # -> dcut.replay.simulate.Drift (imported here: the command line starts without numpy)
+    """``--drift FACTOR:STEPS``."""
+    from dcut.replay.simulate import Drift
+
+    factor, _, period = text.partition(":")
+    try:
+        return Drift(float(factor), int(period))
+    except ValueError as e:
+        raise CommandError(f"--drift takes FACTOR:STEPS with FACTOR > 0 and STEPS >= 1, e.g. 1.5:150 (got {text!r})"
+                           ) from e

@@ -16,7 +16,7 @@ from tqdm import tqdm
 from dcut.replay import anchors
 from dcut.replay.costs import CostModel
 from dcut.replay.policy import FixedWidth, Policy
-from dcut.replay.simulate import Cell, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
+from dcut.replay.simulate import Cell, Drift, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
 from dcut.settings import DCutSettings
 from dcut.trace import Trace
 
@@ -36,6 +36,7 @@ class Case:
     batch_sizes: list[int]
     description: str = ""
     context: float | None = None  # every step's mean context, instead of the trace's (where the costs price it)
+    drift: Drift | None = None  # the machine's speed wandering over each cell's steps (None: steady)
 
 
 PolicyMaker = Callable[[SimClock], Policy]
@@ -77,11 +78,12 @@ def replay_case(case: Case, steps: int = STEPS, warmup: int = WARMUP, progress: 
         for bs in case.batch_sizes:
             for _name, make, none in makers:
                 clock = SimClock()
-                cells.append(run_cell(make(clock), bs, pools, case.cost, steps, warmup, clock, none=none))
+                cells.append(run_cell(make(clock), bs, pools, case.cost, steps, warmup, clock, none=none,
+                                      drift=case.drift))
                 bar.update()
             cells.append(dynamic(cells, bs))
-            cells.append(oracle(bs, pools, case.cost, steps, warmup))
-            cells.append(confidence_oracle(bs, pools, case.cost, steps, warmup))
+            cells.append(oracle(bs, pools, case.cost, steps, warmup, case.drift))
+            cells.append(confidence_oracle(bs, pools, case.cost, steps, warmup, case.drift))
     return cells
 
 
@@ -115,6 +117,7 @@ def summarize(case: Case, cells: list[Cell]) -> dict[str, object]:
         })
     return {"name": case.name, "description": case.description, "batch_sizes": case.batch_sizes,
             **({"context": case.context} if case.context is not None else {}),
+            **({"drift": {"factor": case.drift.factor, "period": case.drift.period}} if case.drift else {}),
             "cost_model": {"name": case.cost.name, "fingerprint": case.cost.table.fingerprint.model_dump(),
                            "overhead": {"per_step_ms": case.cost.per_step_ms, "per_token_ms": case.cost.per_token_ms},
                            "notes": case.cost.notes},

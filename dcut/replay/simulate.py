@@ -150,6 +150,27 @@ class Walk:
         return float(self._position.mean()) if self._pools.recorded_context else None
 
 
+@dataclass(frozen=True)
+class Drift:
+    """The machine's speed wandering while a policy runs: every cost of a step multiplied by ``factor`` on alternate
+    stretches of ``period`` steps (the first stretch at speed). This box ran ~1.5x slower for an hour and back
+    (docs/compare-floor): a policy that compares widths measured at different moments must not take the machine's
+    moods for the widths' worth. Every policy, the oracles included, meets the same stretches at the same steps."""
+
+    factor: float
+    period: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.period < 1:
+            raise ValueError("a drift needs factor > 0 and period >= 1 steps")
+
+    def __call__(self, step: int) -> float:
+        return self.factor if (step // self.period) % 2 else 1.0
+
+    def __str__(self) -> str:
+        return f"{self.factor:g}x on alternate stretches of {self.period} steps"
+
+
 class SimClock:
     """Seconds on the replay's timeline (what ``RunnerDCut`` reads instead of ``perf_counter``)."""
 
@@ -184,9 +205,10 @@ class Cell:
 
 
 def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
-             clock: SimClock | None = None, none: bool = False) -> Cell:
+             clock: SimClock | None = None, none: bool = False, drift: Drift | None = None) -> Cell:
     """Replay ``warmup + steps`` steps; the figures count the last ``steps`` (steady state).
-    ``none``: no speculation, an engine without a drafter (every step costs ``cost.none``)."""
+    ``none``: no speculation, an engine without a drafter (every step costs ``cost.none``); ``drift``: the
+    machine's speed over the steps (None: steady)."""
     clock = clock or SimClock()
     begin = getattr(policy, "begin", None)
     kept = np.zeros(bs, dtype=np.int64)
@@ -198,6 +220,7 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
     step_ms = 0.0
     walk = pools.walk(bs)
     for n in range(warmup + steps):
+        slow = 1.0 if drift is None else drift(n)
         accepted = np.minimum(true, kept)
         emitted = bs + int(accepted.sum())
         walk.advance(1 + accepted)
@@ -207,16 +230,16 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
         if begin is not None:
             begin(bs, kept, context)
         if none:
-            verify_ms, draft_ms, w = cost.none(bs, context), 0.0, 0
+            verify_ms, draft_ms, w = slow * cost.none(bs, context), 0.0, 0
         else:
-            verify_ms = cost.verify(bs, bs + int(kept.sum()), context)
+            verify_ms = slow * cost.verify(bs, bs + int(kept.sum()), context)
             clock.advance(verify_ms)
             w = policy.width(bs, last)
-            draft_ms = cost.draft(bs, w)
+            draft_ms = slow * cost.draft(bs, w)
             clock.advance(draft_ms)
         conf, true = walk.rows(w)
         new_kept = np.asarray(policy.keep(conf), dtype=np.int64)  # at width 0 too: an engine's hooks run every step
-        step_ms = verify_ms + draft_ms + cost.overhead(emitted)
+        step_ms = verify_ms + draft_ms + slow * cost.overhead(emitted)
         clock.advance(step_ms - verify_ms - draft_ms)
         if n >= warmup:
             tokens += emitted
@@ -315,7 +338,7 @@ class _Option:
     emitted: Callable[[int], np.ndarray]
 
 
-def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
+def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int, drift: Drift | None = None) -> Cell:
     """The best any policy could do on these requests: knowing each request's true acceptance at every width,
     draft the width that pays best and verify only drafts that will be accepted (all of them, or fewer where the
     cost table's steps make the last few dearer than they are worth; the first drafts of each request first).
@@ -337,10 +360,11 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> C
             out.append(_Option(tokens, ms, tokens, ms, lambda b, a=accepted: 1 + _first_drafts_first(a, b)))
         return out
 
-    return _walked_best("oracle", bs, pools, widths, steps, warmup, options)
+    return _walked_best("oracle", bs, pools, widths, steps, warmup, options, drift)
 
 
-def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int) -> Cell:
+def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
+                      drift: Drift | None = None) -> Cell:
     """The best a policy deciding on the drafter's confidences could do: each step it sees every width's drafts
     with their confidences calibrated in hindsight (per width, position and confidence bin, fitted on the whole
     trace: ``dcut.calibration.Calibrator``), drafts the width and keeps the global top-B that maximise expected
@@ -385,7 +409,7 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
             out.append(_Option(expected, base + cost.overhead(expected), true, base + cost.overhead(true), emitted))
         return out
 
-    return _walked_best("oracle-conf", bs, pools, widths, steps, warmup, options)
+    return _walked_best("oracle-conf", bs, pools, widths, steps, warmup, options, drift)
 
 
 def _verify(cost: CostModel, bs: int, tokens: np.ndarray, context: float | None) -> np.ndarray:
@@ -403,11 +427,12 @@ def _first_drafts_first(accepted: np.ndarray, budget: int) -> np.ndarray:
 
 
 def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int, warmup: int,
-                 options: Callable[[Walk], list[_Option]], rounds: int = 30) -> Cell:
+                 options: Callable[[Walk], list[_Option]], drift: Drift | None = None, rounds: int = 30) -> Cell:
     """Maximise believed tokens over ms along a walk: Dinkelbach's iteration, each round walking from the start and
     taking at every step the (width, budget) with the most ``tokens - rate * ms`` at the last round's rate, until
     the rate holds still. A pick moves the slots on by what it truly emits, so the path follows the picks. The
-    cell counts the last ``steps`` steps, at what the picks truly yield."""
+    cell counts the last ``steps`` steps, at what the picks truly yield; ``drift`` slows the steps it names, and the
+    oracle knows it."""
     rate, cell = 0.0, None
     for _ in range(rounds):
         walk = pools.walk(bs)
@@ -416,14 +441,15 @@ def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int
         hist: Counter[int] = Counter()
         verified = drafted = 0
         for n in range(warmup + steps):
+            slow = 1.0 if drift is None else drift(n)
             opts = options(walk)
-            gain = [o.tokens - rate * o.ms for o in opts]
+            gain = [o.tokens - rate * slow * o.ms for o in opts]
             j = max(range(len(opts)), key=lambda i: float(gain[i].max()))
             b = int(np.argmax(gain[j]))
             o = opts[j]
             if n >= warmup:
-                believed += (o.tokens[b], o.ms[b])
-                tokens, ms = tokens + float(o.true_tokens[b]), ms + float(o.true_ms[b])
+                believed += (o.tokens[b], slow * o.ms[b])
+                tokens, ms = tokens + float(o.true_tokens[b]), ms + slow * float(o.true_ms[b])
                 hist[widths[j]] += 1
                 verified, drafted = verified + b, drafted + bs * widths[j]
             walk.advance(o.emitted(b))

@@ -24,7 +24,8 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[
         plot_speedup([{"mode": r["policy"], "bs": r["bs"], "speedup_vs_none": r["speedup_vs_none"]}
                       for r in summary["rows"] if r["policy"] != "dynamic"],
                      out / f"{case.name}.png", f"replay: {case.name}")
-        md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.\n",
+        drift = f" The machine drifts: every cost {case.drift}." if case.drift else ""
+        md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.{drift}\n",
                markdown_table(summary), joint_widths_markdown(summary), f"![{case.name}]({case.name}.png)\n"]
         if "paper_check" in summary:
             md.append(paper_check_markdown(summary["paper_check"]))

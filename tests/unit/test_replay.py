@@ -10,7 +10,7 @@ import pytest
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.replay.costs import CostModel
 from dcut.replay.policy import FixedWidth
-from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
+from dcut.replay.simulate import Drift, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
 from dcut.settings import DCutSettings
 from dcut.trace import from_rows
 
@@ -48,6 +48,41 @@ def test_none_and_fixed_width_accounting():
     assert fixed.widths == {2: 20} and fixed.verified_drafts == 20 * 8 == fixed.drafted
     assert fixed.tokens >= 20 * 4 and fixed.tokens_per_s > 0
     assert acc.shape == (4,)
+
+
+def test_a_drifting_machine_slows_every_cost_of_alternate_stretches():
+    """Steps 0-4 at speed, 5-9 at 2x, 10-14 at speed: every part of a step (verify, drafter, overhead) pays it (all
+    steps of ``none`` cost the same: 20 steps' worth), the same tokens come out, and the runner's clock reads the
+    slowed times."""
+    cost, pools = linear_cost(), Pools(trace())
+    drift = Drift(2.0, 5)
+    assert [drift(n) for n in (0, 4, 5, 9, 10)] == [1.0, 1.0, 2.0, 2.0, 1.0]
+    steady = run_cell(FixedWidth(0), 4, pools, cost, steps=15, warmup=0, none=True)
+    slowed = run_cell(FixedWidth(0), 4, pools, cost, steps=15, warmup=0, none=True, drift=drift)
+    assert slowed.tokens == steady.tokens and slowed.ms == pytest.approx(steady.ms * 20 / 15)
+    fixed = [run_cell(FixedWidth(2), 4, pools, cost, 15, 0, drift=d) for d in (None, drift)]
+    assert fixed[1].tokens == fixed[0].tokens and fixed[0].ms < fixed[1].ms < 2 * fixed[0].ms  # (steps differ)
+    clock = SimClock()
+    run_cell(RunnerPolicy("full", DCutSettings(mode="full"), cost, K, clock), 4, pools, cost, 15, 0, clock,
+             drift=drift)
+    assert clock.t * 1000.0 == pytest.approx(run_cell(FixedWidth(K), 4, pools, cost, 15, 0, drift=drift).ms)
+    with pytest.raises(ValueError, match="factor > 0"):
+        Drift(0.0, 5)
+
+
+@pytest.mark.parametrize("bs", (1, 4))
+def test_the_oracle_bounds_every_policy_on_a_drifting_machine(bs):
+    cost, pools, drift = linear_cost(), Pools(trace()), Drift(3.0, 7)
+    best = oracle(bs, pools, cost, steps=40, warmup=2, drift=drift)
+    assert best.ms > oracle(bs, pools, cost, steps=40, warmup=2).ms
+    for w in (0, 1, 2, 4):
+        cell = run_cell(FixedWidth(w), bs, pools, cost, 40, 2, none=w == 0, drift=drift)
+        assert cell.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
+    clock = SimClock()
+    joint = run_cell(RunnerPolicy("joint", DCutSettings(mode="joint", widths=[0, 1, 2, 4]), cost, K, clock),
+                     bs, pools, cost, 40, 2, clock, drift=drift)
+    assert joint.tokens_per_s <= best.tokens_per_s * (1 + 1e-9)
+    assert confidence_oracle(bs, pools, cost, 40, 2, drift).tokens_per_s <= best.tokens_per_s * 1.02
 
 
 def test_policies_drafting_the_same_width_see_the_same_draws():

@@ -14,6 +14,9 @@ from dcut.cli import main
     (["replay", "--trace", "nowhere.npz", "--costs", "nowhere.json"], "nowhere"),
     (["replay", "--steps", "0"], "--steps"),
     (["replay", "--context", "500"], "--context"),
+    (["replay", "--drift", "1.5"], "--drift takes FACTOR:STEPS"),
+    (["replay", "--drift", "0:100"], "--drift takes FACTOR:STEPS"),
+    (["replay", "--drift", "fast:slow"], "--drift takes FACTOR:STEPS"),
     (["trace", "--out", "x", "--trace-widths", "0,3"], ">= 1"),
     (["trace", "--out", "x", "--trace-widths", "3,31"], "<= K"),
     (["compare", "--out", "x", "--modes", "none,fastest"], "unknown modes"),
@@ -35,3 +38,17 @@ def test_a_custom_case_replays_and_writes_the_report(tmp_path, capsys):
     rows = report["cases"]["deep-small"]["rows"]
     assert {r["policy"] for r in rows} >= {"none", "joint", "oracle", "dynamic", "vllm-adaptive"}
     assert (tmp_path / "replay.md").exists() and (tmp_path / "deep-small.png").exists()
+
+
+def test_a_drifting_case_is_slower_and_says_so(tmp_path, capsys):
+    data = "tests/data/replay"
+    argv = ["replay", "--trace", f"{data}/deep-small.npz", "--costs", f"{data}/deep-small-costs.json", "--bs", "4",
+            "--steps", "20", "--warmup", "0", "--json"]
+    figures = []
+    for extra, out in (([], "steady"), (["--drift", "2:10"], "drift")):
+        assert main([*argv, *extra, "--out", str(tmp_path / out)]) == 0
+        case = json.loads(capsys.readouterr().out)["cases"]["deep-small"]
+        figures.append({r["policy"]: r for r in case["rows"]})
+    assert case["drift"] == {"factor": 2.0, "period": 10}
+    assert figures[1]["none"]["step_ms"] == pytest.approx(1.5 * figures[0]["none"]["step_ms"], rel=1e-3)
+    assert "2x on alternate stretches of 10 steps" in (tmp_path / "drift" / "replay.md").read_text()
