@@ -166,12 +166,16 @@ def test_report_of_every_arm(arm_apps, tmp_path):
                                       "arms": {}, "machine": {}})
 
     assert {(p["arm"], p["kind"]) for p in record["points"]} == {(a, k) for a in ARMS for k in ("users", "rate")}
+    good_tokens = dict.fromkeys(ARMS, 0.0)
     for p in record["points"]:
         s = {k: v["median"] for k, v in p["summary"].items()}
         where = f"{p['arm']} {p['kind']} {p['load']}"
         assert s["requests"] > 0 and s["failures"] == 0, where
         assert 0 < s["goodput_requests_per_s"] <= s["requests_per_s"], where
-        assert 0 < s["goodput_tokens_per_s"] <= s["output_tokens_per_s"], where
+        # Tokens count where they arrive: in a 2 s window on a loaded box, the one good request that finished in it
+        # may have streamed every token before it (seen in a clean-clone run beside other jobs: `full` at 3/s).
+        assert 0 <= s["goodput_tokens_per_s"] <= s["output_tokens_per_s"], where
+        good_tokens[p["arm"]] += s["goodput_tokens_per_s"]
         for lat in LATENCIES:
             values = [s[f"{lat}_p{q}_ms"] for q in PERCENTILES]
             assert None not in values and 0 < values[0] <= values[1] <= values[2], (where, lat, values)
@@ -184,6 +188,7 @@ def test_report_of_every_arm(arm_apps, tmp_path):
             else:  # joint may draft nothing over a whole point (width 0: no keep ratio), or draft and keep
                 # nothing (this tiny pair's drafts are never accepted, and the cut learns it)
                 assert s["keep_ratio"] is None or 0 <= s["keep_ratio"] <= 1, where
+    assert all(tokens > 0 for tokens in good_tokens.values()), good_tokens
     assert [r["requests_log"].startswith("raw/") for r in record["runs"]] == [True] * len(runs)
     assert all((out / r["requests_log"]).stat().st_size > 0 for r in record["runs"])
 
