@@ -60,6 +60,10 @@ class DCutSettings(BaseModel):
                                      "so [0] pins width 0).")
     width_hysteresis: float = Field(0.02, ge=0.0, description="Keep the current width unless another is "
                                     "estimated this much faster.")
+    speed_shift: float | None = Field(
+        0.3, gt=0.0, description="Mode joint: when a run of a width's cycles (dcut.width.realized.SHIFT_RUN) all took "
+        "this much more (or less) time than its mean, relative to the cost table, the machine changed speed: the batch "
+        "size's other widths, measured at the old speed, are measured again. None: never (a machine of one speed).")
     probe_share: float = Field(0.01, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
                                "(another width, verified in full) so acceptance stays known where D-Cut "
                                "does not draft or verify.")

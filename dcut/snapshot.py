@@ -85,6 +85,9 @@ class DCutSnapshot(_Record):
     cost_table: dict[str, Any] | None = Field(None, description="`CostTable.to_json` of the live table.")
     width_realized: dict[str, dict[str, float]] | None = Field(
         None, description="Mode joint: measured tokens/s per 'bucket/width' (`RealizedRates.summary`).")
+    speed_shifts: dict[int, int] | None = Field(
+        None, description="Mode joint: changes of the machine's speed noticed per batch-size bucket "
+                          "(`RealizedRates.shifts`); each sent the bucket's other widths back to be measured.")
     width_observations: dict[int, int] | None = None
     width_survival: dict[int, list[float]] | None = None
     request_history: dict[str, float | int | bool | None] | None = Field(

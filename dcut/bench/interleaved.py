@@ -65,7 +65,7 @@ from dcut.settings import EngineSettings
 
 TRAFFIC = ("steady", "batch")
 WAVES = 3  # steady traffic: requests per cell, in units of the batch size
-COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind")
+COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind", "joint-noshift")
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 # a second (third...) engine of a mode, built and run as one more arm: ``none#2`` against ``none`` measures what an
 # engine's place in the process alone does (module docstring: build order)
@@ -101,7 +101,8 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     draft verified: D-Cut in mode full), ``dynamic`` (vLLM's per-batch-size K, from ``schedule``, every draft
     verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor; ``joint-wN`` pins
     width N), ``joint-blind`` (joint deciding at the profiled context, not the batch's: what the context axis
-    changes); all built by ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut
+    changes), ``joint-noshift`` (joint never noticing the machine change speed: what ``speed_shift`` is worth); all
+    built by ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut
     sweep`` builds them. ``mode#N`` is another engine of ``mode``."""
     arms = []
     for name in modes:
@@ -112,10 +113,11 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
             s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [int(pinned.group(1))]})})
-        elif mode == "joint-blind":
+        elif mode in ("joint-blind", "joint-noshift"):
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
-            s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"context_cost": False})})
+            off = {"context_cost": False} if mode == "joint-blind" else {"speed_shift": None}
+            s = s.model_copy(update={"dcut": s.dcut.model_copy(update=off)})
         elif mode == "none-sync":
             s = settings_for_mode("none", base).model_copy(update={"async_scheduling": False})
         elif mode in ("none", "full", "joint"):
@@ -376,8 +378,8 @@ def markdown(record: dict[str, Any]) -> str:
             f"{comp[(m, b)]['verdict']}" for b in sizes) + " |")
     best = []
     for b in sizes:
-        others = [cell[(m, b)]["tokens_per_s"] for m in modes  # diagnostics are not rivals
-                  if m != "joint" and control_of(m) is None and not PINNED.fullmatch(m)]
+        others = [cell[(m, b)]["tokens_per_s"] for m in modes  # diagnostics and joint's variants are not rivals
+                  if m != "joint" and control_of(m) is None and not m.startswith("joint-")]
         if others and ("joint", b) in cell:
             best.append(f"bs {b}: {cell[('joint', b)]['tokens_per_s'] / max(others):.3f}")
     if best:

@@ -11,7 +11,7 @@ from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
 from dcut.prompts import DEFAULT_PROMPTS, token_prompts
 
-HELP = "Interleaved live comparison of none/full/dynamic/joint/joint-w0/joint-blind: medians, 95% intervals, verdicts."
+HELP = "Interleaved live comparison of none/full/dynamic/joint and diagnostic arms: medians, 95% intervals, verdicts."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -184,10 +184,11 @@ class RunnerKnowledge:
         """One line in the engine log every LOG_INTERVAL_S, beside vLLM's own stats lines."""
         w = self.window
         logger.info("D-Cut: %d steps, widths %s, mean keep ratio %s, accepted drafts/request-step %s, "
-                    "position acceptance %s, cost table %s%s", len(w), w.width_histogram(), _fmt(w.mean_keep_ratio()),
-                    _fmt(w.mean_accepted_length()), [_fmt(p) for p in w.position_acceptance()[:8]],
-                    self.cost_source, ", request history in use" if self.history is not None and self.history.useful
-                    else "")
+                    "position acceptance %s, cost table %s%s%s", len(w), w.width_histogram(),
+                    _fmt(w.mean_keep_ratio()), _fmt(w.mean_accepted_length()),
+                    [_fmt(p) for p in w.position_acceptance()[:8]], self.cost_source,
+                    ", request history in use" if self.history is not None and self.history.useful else "",
+                    f", speed shifts per bucket {self.realized.shifts}" if self.joint and self.realized.shifts else "")
 
     def reset_stats(self) -> None:
         """Forget recorded steps (e.g. after a warm-up), keep the cost table and calibration."""
@@ -201,7 +202,7 @@ class RunnerKnowledge:
         sel = [r.selection_us for r in self.window.records if r.selection_us]
         joint = {}
         if self.joint:
-            joint = {"width_realized": self.realized.summary(),
+            joint = {"width_realized": self.realized.summary(), "speed_shifts": dict(self.realized.shifts),
                      "width_observations": self.width_stats.observations(),
                      "width_survival": dict(zip(self.widths, self.width_stats.survival().tolist(), strict=True)),
                      "request_history": None if self.history is None else self.history.summary()}

@@ -117,7 +117,7 @@ class RunnerDCut(RunnerKnowledge):
         self.widths = widths_for(k, settings.widths) if self.joint else [k]
         self.width_stats = WidthStats(self.widths, k)
         self.probes = ProbeBudget(self.widths, settings.probe_share)
-        self.realized = RealizedRates()
+        self.realized = RealizedRates(shift=settings.speed_shift)
         self.explorer = Explorer()
         self._cycle: Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None

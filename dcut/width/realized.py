@@ -12,6 +12,10 @@ from dcut.width.choice import WidthChoice
 
 SHRINK_REQUESTS = 256  # requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled
 STALL = 3.0  # a cycle is counted at most this many times its predicted time (longer: a stall, not the width's cost)
+# The machine changed speed: this many cycles in a row of one width, each over (or each under) its mean time over
+# predicted by more than ``shift`` (``DCutSettings.speed_shift``). Not one stall (capped above), nor a few: a run no
+# noise on a steady machine makes.
+SHIFT_RUN = 8
 
 
 @dataclass
@@ -27,6 +31,9 @@ class _Cell:
     rate_var: float = 0.0
     n: int = 0
     last: int = 0
+    charged: float = 0.0  # of ``ms``: deferred work charged to the cycles (``charge``), as an EMA alike
+    run: int = 0  # cycles in a row over (+) or under (-) the mean time over predicted by more than SHIFT
+    run_ratio: float = 0.0  # their summed time over predicted
 
 
 class RealizedRates:
@@ -47,12 +54,16 @@ class RealizedRates:
 
     Means are long-run (a running mean, then an average over about ``1/weight`` cycles). What a
     width's measurement is worth fades with the cycles since it was taken (``fresh``, half-life
-    ``half_life`` cycles of the bucket), so a width measured long ago is worth re-measuring.
+    ``half_life`` cycles of the bucket), so a width measured long ago is worth re-measuring. Where a width's
+    cycles say the machine changed speed (``SHIFT_RUN`` in a row off its mean by more than ``shift``), the bucket's
+    other widths are forgotten (``_shifted``): measured at another speed, they cannot be compared with it.
     """
 
     def __init__(self, min_samples: int = 3, min_requests: int = 32, weight: float = 0.02,
-                 half_life: float = 256.0) -> None:
+                 half_life: float = 256.0, shift: float | None = None) -> None:
         self.min_samples, self.min_requests, self.weight, self.half_life = min_samples, min_requests, weight, half_life
+        self.shift = shift  # None: no speed shifts noticed
+        self.shifts: dict[int, int] = {}  # speed shifts noticed, per bucket
         self._cells: dict[tuple[int, int], _Cell] = {}
         self._pooled: dict[int, list[float]] = {}  # realized and predicted tokens and ms, pooled per bucket
         self._ticks: dict[int, int] = {}
@@ -69,17 +80,50 @@ class RealizedRates:
         tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
         rate = predicted_tokens / predicted_ms
         c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))
-        w = max(self.weight, 1.0 / (c.n + 1))
-        c.tokens += w * (tokens - c.tokens)
-        c.ms += w * (ms - c.ms)
-        c.predicted_tokens += w * (predicted_tokens - c.predicted_tokens)
-        c.predicted_ms += w * (predicted_ms - c.predicted_ms)
-        delta = rate - c.rate
-        c.rate, c.rate_var = c.rate + w * delta, (1.0 - w) * (c.rate_var + w * delta * delta)
-        c.n, c.last = c.n + 1, tick
+        if self.shift is None or not self._shifted(bucket, width, c, ms / predicted_ms):  # (shifted: the run's)
+            w = max(self.weight, 1.0 / (c.n + 1))
+            c.tokens += w * (tokens - c.tokens)
+            c.ms += w * (ms - c.ms)
+            c.charged -= w * c.charged
+            c.predicted_tokens += w * (predicted_tokens - c.predicted_tokens)
+            c.predicted_ms += w * (predicted_ms - c.predicted_ms)
+            delta = rate - c.rate
+            c.rate, c.rate_var = c.rate + w * delta, (1.0 - w) * (c.rate_var + w * delta * delta)
+            c.n += 1
+        c.last = tick
         pool = self._pooled.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
         for i, value in enumerate((tokens, predicted_tokens, ms, predicted_ms)):
             pool[i] = pool[i] * (1.0 - self.weight) + value  # discounted sums: recent cycles weigh most
+
+    def _shifted(self, bucket: int, width: int, c: _Cell, ratio: float) -> bool:
+        """Whether this cycle ends a run (``SHIFT_RUN``) that says the machine changed speed; if so, the width's
+        time is what the run measured, and the bucket's other widths are forgotten: they were measured at the old
+        speed, and compared with this one at the new they would be judged on the machine's moment, not on what
+        they are worth (replayed on a machine alternating 2x every 250 steps, width 0 learned on slow stretches
+        and width 3 on fast ones, and ``joint`` drafted width 3 on a third of the steps at bs 32 where width 0 was
+        best throughout). Forgotten widths are priced by the model (whose cost table follows the live steps) until
+        exploration measures them again."""
+        if c.n == 0:
+            return False
+        mean = (c.ms - c.charged) / c.predicted_ms  # (what the cycles took themselves: deferred work is paid later)
+        assert self.shift is not None
+        step = 1 if ratio > mean * (1.0 + self.shift) else -1 if ratio * (1.0 + self.shift) < mean else 0
+        if step == 0 or step * c.run < 0:
+            c.run, c.run_ratio = step, ratio if step else 0.0
+            return False
+        c.run, c.run_ratio = c.run + step, c.run_ratio + ratio
+        if abs(c.run) < SHIFT_RUN:
+            return False
+        now = c.run_ratio / abs(c.run)
+        c.charged *= now / mean
+        c.ms, c.run, c.run_ratio = c.predicted_ms * now + c.charged, 0, 0.0
+        c.n = min(c.n, SHIFT_RUN)  # what it measured before weighs no more than the run
+        for key in [k for k in self._cells if k[0] == bucket and k[1] != width]:
+            del self._cells[key]
+        for key in [k for k in self._probes if k[0] == bucket]:
+            del self._probes[key]
+        self.shifts[bucket] = self.shifts.get(bucket, 0) + 1
+        return True
 
     def add_probe(self, bucket: int, width: int, tokens: float, ms: float, predicted_ms: float) -> None:
         """A probe's cycle (every draft verified, which the policy would not do): a rate the width can at least
@@ -105,6 +149,7 @@ class RealizedRates:
         # what the last ``cycles`` cycles weigh in the mean: a running mean's first cycles alike, then an EMA's
         share = min(cycles, cell.n) / cell.n if cell.n * self.weight <= 1.0 else 1.0 - (1.0 - self.weight) ** cycles
         cell.ms += ms / cycles * share
+        cell.charged += ms / cycles * share
 
     def correction(self, bucket: int) -> tuple[float, float]:
         """Realized over predicted, tokens and ms, over the bucket's recent cycles of every width."""

@@ -34,6 +34,9 @@ def test_arms_build_what_each_mode_means():
     assert arms["dynamic"].dcut.mode == "full"  # vLLM's dynamic K, every draft verified as in full
     assert arms["joint"].dcut.mode == "joint" and arms["joint-w0"].dcut.widths == [0]
     assert {a.name: a.settings for a in arms_for(base, ["joint-w3"], None)}["joint-w3"].dcut.widths == [3]
+    off = {a.name: a.settings.dcut for a in arms_for(base, ["joint", "joint-noshift"], None)}
+    assert off["joint"].speed_shift == 0.3 and off["joint-noshift"] == off["joint"].model_copy(
+        update={"speed_shift": None})  # joint in all but noticing the machine change speed
     copies = {a.name: a.settings for a in arms_for(base, ["none", "none#2", "joint-w0#2"], None)}
     assert copies["none#2"] == copies["none"] and copies["joint-w0#2"].dcut.widths == [0]  # one more engine of each
     with pytest.raises(ValueError, match="schedule"):

@@ -22,6 +22,7 @@ from dcut.width import (
     width_utilities,
     widths_for,
 )
+from dcut.width.realized import SHIFT_RUN
 
 
 def test_default_widths_include_zero_and_k() -> None:
@@ -275,7 +276,7 @@ def test_what_probes_delivered_keeps_a_width_a_candidate_but_never_measures_it()
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
     """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
     realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
-    rates = RealizedRates(min_samples=1, min_requests=1)
+    rates = RealizedRates(min_samples=1, min_requests=1, shift=0.3)
     for _ in range(4):
         rates.add(8, 3, tokens=10.0, ms=10.0, predicted_tokens=20.0, predicted_ms=10.0)
         rates.add(8, 7, tokens=14.0, ms=10.0, predicted_tokens=28.0, predicted_ms=10.0)
@@ -323,9 +324,41 @@ def test_deferred_work_paid_every_few_cycles_adds_its_share_and_no_more(every: i
     """Cycles of 10 ms that each deferred 5 ms, paid every ``every`` cycles: the width's cycles cost 15 ms. Charged
     to the long-run mean whole, each payment raised the older cycles too, and the mean ran away (every 2: 136 ms,
     every 1: 260)."""
-    rates = RealizedRates(min_samples=1, min_requests=1)
+    rates = RealizedRates(min_samples=1, min_requests=1, shift=0.3)
     for i in range(1, 2001):
         rates.add(4, 0, tokens=4.0, ms=10.0, predicted_tokens=4.0, predicted_ms=10.0)
         if i % every == 0:
             rates.charge(4, 0, 5.0 * every, cycles=every)
     assert rates.summary()["4/0"]["tokens_per_s"] == pytest.approx(1000.0 * 4 / 15, rel=0.02)
+    assert rates.shifts == {}  # deferred work paid later is not the machine changing speed
+
+
+def test_a_machine_that_slows_is_noticed_and_the_widths_measured_before_are_forgotten() -> None:
+    """Width 0 held at 10 ms a cycle, width 3 measured once beside it; the machine slows 2x. Within ``SHIFT_RUN``
+    cycles width 0 reads the new speed (its long mean alone would still say ~12 ms) and width 3, measured at the old
+    speed, is unmeasured again, to be priced by the model until explored; other buckets keep theirs."""
+    rates = RealizedRates(min_samples=1, min_requests=1, shift=0.3)
+    for _ in range(4):
+        rates.add(8, 3, tokens=20.0, ms=15.0, predicted_tokens=20.0, predicted_ms=15.0)
+        rates.add(16, 3, tokens=40.0, ms=25.0, predicted_tokens=40.0, predicted_ms=25.0)
+    for _ in range(100):
+        rates.add(8, 0, tokens=8.0, ms=10.0, predicted_tokens=8.0, predicted_ms=10.0)
+    for i in range(SHIFT_RUN):
+        assert rates.shifts == {} and rates.samples(8, 3) == 4, i  # not before the run is complete
+        rates.add(8, 0, tokens=8.0, ms=20.0, predicted_tokens=8.0, predicted_ms=10.0)
+    assert rates.shifts == {8: 1}
+    assert rates.summary()["8/0"]["tokens_per_s"] == pytest.approx(1000.0 * 8 / 20)
+    assert rates.samples(8, 3) == 0 and rates.samples(16, 3) == 4
+    model = [WidthChoice(0, 0, 8.0, 10.0), WidthChoice(3, 2, 20.0, 14.0)]
+    assert rates.apply(8, model)[1] == model[1]
+
+
+@pytest.mark.parametrize("cycles", [
+    [10.0, 14.0, 7.0, 11.0, 9.0, 13.5, 7.5] * 40,  # noise of +-40 %, never many cycles in a row beyond +-30 %
+    [10.0] * 100 + [30.0] * (SHIFT_RUN - 1) + [10.0] * 50,  # a burst of stalls, one cycle short of a run, and after
+])
+def test_noise_and_short_bursts_are_not_a_change_of_speed(cycles: list[float]) -> None:
+    rates = RealizedRates(min_samples=1, min_requests=1, shift=0.3)
+    for ms in cycles:
+        rates.add(4, 7, tokens=30.0, ms=ms, predicted_tokens=30.0, predicted_ms=10.0)
+    assert rates.shifts == {}
