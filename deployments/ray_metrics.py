@@ -41,6 +41,8 @@ class ReplicaMetrics:
         self.tokens_per_s = gauge("dcut_generated_tokens_per_s", "Generated tokens/s (10 s window)")
         self.start_seconds = gauge("dcut_replica_start_seconds", "Seconds from replica start to ready")
         self.steps = counter("dcut_steps", "Engine steps with D-Cut on")
+        self.speed_shifts = counter("dcut_speed_shifts", "Changes of the machine's speed D-Cut noticed (mode "
+                                    "joint): each sent a batch size's widths back to be measured")
         self.generated = counter("dcut_generated_tokens", "Generated tokens")
         self.aborted = counter("dcut_aborted_requests", "Requests aborted (client gone)")
         self.specexit_exits = counter("dcut_specexit_exits", "Thinking sections SpecExit ended")
@@ -54,7 +56,7 @@ class ReplicaMetrics:
         self.speculation_requests = Counter("dcut_speculation_requests", description="Responses whose speculation "
                                             "was measured (usage.speculation), by route",
                                             tag_keys=(*_TAGS, "route"))
-        self._last = {"steps": 0, "generated": 0, "aborted": 0, "exits": 0, "reasoning": 0, "saved": 0}
+        self._last = {"steps": 0, "shifts": 0, "generated": 0, "aborted": 0, "exits": 0, "reasoning": 0, "saved": 0}
 
     def observe_request(self, route: str, acceptance_rate: float | None) -> None:
         """One response's acceptance rate (``Engine.record_speculation``), labelled by its route."""
@@ -101,6 +103,7 @@ class ReplicaMetrics:
             steps = sum(histogram.values())
             self.batch_size.set(sum(b * n for b, n in histogram.items()) / steps, tags=t)
         self._count("steps", self.steps, snap.steps)
+        self._count("shifts", self.speed_shifts, sum((snap.speed_shifts or {}).values()))
 
 
 class IngressMetrics:

@@ -230,7 +230,7 @@ def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes:
             if snap is not None:
                 figures.update(width_histogram=snap.window.width_histogram, mean_keep_ratio=snap.window.mean_keep_ratio,
                                mean_accepted_length=snap.window.mean_accepted_length,
-                               width_realized=snap.width_realized)
+                               width_realized=snap.width_realized, speed_shifts=snap.speed_shifts)
     return runs, stats
 
 
@@ -240,6 +240,11 @@ def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
     for start in range(0, len(batch), bs):
         out += [list(o.outputs[0].token_ids) for o in llm.generate(batch[start:start + bs], params, use_tqdm=False)]
     return out
+
+
+def _shifts_at(figures: dict[str, Any], bs: int) -> int:
+    """A joint arm's speed shifts noticed at bucket ``bs`` (snapshot keys are ints, or strings once through JSON)."""
+    return {str(k): v for k, v in (figures.get("speed_shifts") or {}).items()}.get(str(bs), 0)
 
 
 def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
@@ -398,9 +403,11 @@ def markdown(record: dict[str, Any]) -> str:
             for m in dict.fromkeys(c["mode"] for c in record["controls"])]
     same = all(c["identical_to_none"] in (True, None) for c in record["cells"])
     lines += ["", f"Greedy outputs identical to `none` in every run: **{'yes' if same else 'NO'}**."]
-    widths = [f"bs {b}: {cell[('joint', b)].get('width_histogram')}" for b in sizes if ("joint", b) in cell]
+    widths = [f"bs {b}: {j.get('width_histogram')}, speed shifts noticed {_shifts_at(j, b)}"
+              for b in sizes if (j := cell.get(("joint", b))) is not None]
     if widths:
-        lines += ["", "`joint`'s drafted widths (steps per width, last window):", "", *[f"- {w}" for w in widths]]
+        lines += ["", "`joint`'s drafted widths (steps per width, last window) and the changes of speed it noticed "
+                  "at the batch size's bucket (over the engine's life):", "", *[f"- {w}" for w in widths]]
     realized = [f"- bs {b}: " + (_realized_at(cell[("joint", b)].get("width_realized") or {}, b) or "–")
                 for b in sizes if ("joint", b) in cell]
     if realized:

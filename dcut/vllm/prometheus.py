@@ -30,6 +30,8 @@ def _metrics() -> dict[str, Any]:
                            buckets=[0.1 * i for i in range(1, 11)]),
         "budget": Histogram("vllm:dcut_budget", "Drafts kept per step across the batch.", labels,
                             buckets=[0, 4, 8, 16, 32, 64, 128, 256, 512, 1024]),
+        "shifts": Counter("vllm:dcut_speed_shifts", "Changes of the machine's speed noticed (mode joint): each "
+                          "sent a batch size's other widths back to be measured.", labels),
         "selection": Histogram("vllm:dcut_selection_seconds", "Time to decide keep depths.", labels,
                                buckets=[5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2]),
     }
@@ -46,10 +48,12 @@ def _position(model_name: str, position: int) -> Any:
     return _metrics()["accepted_pos"].labels(model_name, str(position))
 
 
-def observe(records: list[StepRecord], model_name: str) -> None:
+def observe(records: list[StepRecord], model_name: str, shifts: int = 0) -> None:
     """Count some steps (a few at a time: a counter's increment takes a lock, and a step's accounting is
-    on the step's critical path)."""
+    on the step's critical path), and the changes of speed noticed while they ran."""
     m = _children(model_name)
+    if shifts:
+        m["shifts"].inc(shifts)
     m["steps"].inc(len(records))
     m["proposed"].inc(sum(r.proposed for r in records))
     m["kept"].inc(sum(r.kept for r in records))

@@ -118,6 +118,7 @@ class RunnerDCut(RunnerKnowledge):
         self.width_stats = WidthStats(self.widths, k)
         self.probes = ProbeBudget(self.widths, settings.probe_share)
         self.realized = RealizedRates(shift=settings.speed_shift)
+        self._shifts_counted = 0  # of the realized rates' speed shifts, those counted in the metrics
         self.explorer = Explorer()
         self._cycle: Cycle | None = None  # the last width's cycle, still being paid for
         self.cost_table: CostTable | None = None
@@ -530,7 +531,9 @@ class RunnerDCut(RunnerKnowledge):
                 record.budget = record.kept
             record.ratio = record.kept / record.proposed if record.proposed else 1.0
             self._window.add(record)
-        prometheus.observe([h.record for h in held], self.fingerprint.model)
+        shifts = sum(self.realized.shifts.values())
+        prometheus.observe([h.record for h in held], self.fingerprint.model, shifts - self._shifts_counted)
+        self._shifts_counted = shifts
 
     def _predict(self, cycle: Cycle, table: CostTable, pending: Pending | None, bs: int,
                  context: float | None) -> None:

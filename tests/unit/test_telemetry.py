@@ -120,8 +120,8 @@ def test_prometheus_counts_a_few_steps_at_once_as_each_step_alone() -> None:
              record(1, 4, 3, [1, 1, 1, 0], [1, 1, 1, 0])]
     for r in steps:
         r.ratio, r.budget = (r.kept / r.proposed if r.proposed else 1.0), r.kept
-    prometheus.observe(steps, "batched")
-    assert sample("vllm:dcut_steps_total") == 3
+    prometheus.observe(steps, "batched", shifts=2)
+    assert sample("vllm:dcut_steps_total") == 3 and sample("vllm:dcut_speed_shifts_total") == 2
     assert sample("vllm:dcut_drafts_kept_total") == 7 and sample("vllm:dcut_drafts_accepted_total") == 6
     assert sample("vllm:dcut_verify_tokens_total") == 5 + 7  # bs + kept drafts, summed over the steps
     assert [sample("vllm:dcut_drafts_accepted_per_pos_total", position=str(p)) for p in (1, 2, 3, 4)] == [3, 2, 1, 0]
