@@ -66,6 +66,8 @@ from dcut.settings import EngineSettings
 TRAFFIC = ("steady", "batch")
 WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind", "joint-noshift")
+# joint with one of its mechanisms off: what that mechanism is worth
+JOINT_VARIANTS = {"joint-blind": {"context_cost": False}, "joint-noshift": {"speed_shift": None}}
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 # a second (third...) engine of a mode, built and run as one more arm: ``none#2`` against ``none`` measures what an
 # engine's place in the process alone does (module docstring: build order)
@@ -113,11 +115,10 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
             s = s.model_copy(update={"dcut": s.dcut.model_copy(update={"widths": [int(pinned.group(1))]})})
-        elif mode in ("joint-blind", "joint-noshift"):
+        elif mode in JOINT_VARIANTS:
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
-            off = {"context_cost": False} if mode == "joint-blind" else {"speed_shift": None}
-            s = s.model_copy(update={"dcut": s.dcut.model_copy(update=off)})
+            s = s.model_copy(update={"dcut": s.dcut.model_copy(update=JOINT_VARIANTS[mode])})
         elif mode == "none-sync":
             s = settings_for_mode("none", base).model_copy(update={"async_scheduling": False})
         elif mode in ("none", "full", "joint"):

@@ -32,7 +32,7 @@ class _Cell:
     n: int = 0
     last: int = 0
     charged: float = 0.0  # of ``ms``: deferred work charged to the cycles (``charge``), as an EMA alike
-    run: int = 0  # cycles in a row over (+) or under (-) the mean time over predicted by more than SHIFT
+    run: int = 0  # cycles in a row over (+) or under (-) the mean time over predicted by more than ``shift``
     run_ratio: float = 0.0  # their summed time over predicted
 
 
