@@ -174,6 +174,29 @@ def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
     assert r.realized.summary()["2/0"]["tokens_per_s"] == pytest.approx(1000.0 * 2 / 10.2)
 
 
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_cycle_verified_beside_a_prefill_counts_with_its_time_unless_asked_not_to(mixed: bool):
+    """Width 0 at bs 2, 10 ms a cycle; two of the verification steps also prefill a new request in a finished one's
+    place (20 ms more). Counted (the default), the width pays for them; pure steps only (``count_mixed_steps=False``),
+    it looks as fast as its pure steps."""
+    clock = [0.0]
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0], probe_share=0.0, count_mixed_steps=mixed),
+                   FP, k=4, clock=lambda: clock[0])
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 11.0, 3)]}, draft={2: {0: (0.1, 1), 4: (1.0, 1)}})
+    for step in range(7):
+        clock[0] += 0.010
+        prefill = step in (3, 5)
+        r.begin_step({"a": 6 if prefill else 1, "b": 1}, {})
+        clock[0] += 0.020 if prefill else 0.0  # the prompt, in the step's target forward
+        r.width = r.choose_width(2, 4)
+        r.on_drafted(REQS, None, None, None)
+        r.cut(REQS, [[], []])
+    r.settle()
+    found = r.realized.summary()["2/0"]  # six cycles finish (steps 1-6): 12 tokens in 100 ms, or the pure 4 alone
+    assert (found["samples"], found["tokens_per_s"]) == ((6, pytest.approx(120.0)) if mixed else
+                                                         (4, pytest.approx(200.0)))
+
+
 def test_joint_drafts_nothing_for_a_batch_whose_requests_lately_accepted_nothing():
     """Once a request's recent blocks predict its next one better than calibration does (acceptance in phases per
     request), a batch whose requests have lately accepted nothing is not drafted for; new requests are."""
