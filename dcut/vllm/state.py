@@ -469,7 +469,7 @@ class RunnerDCut(RunnerKnowledge):
         if counted and c.probe:
             self.realized.add_probe(c.bucket, c.width, emitted, c.ms, c.predicted_ms)
         elif counted:
-            self.realized.add(c.bucket, c.width, emitted, c.ms, c.predicted_tokens, c.predicted_ms)
+            self.realized.add(c.bucket, c.width, emitted, c.ms, c.predicted_tokens, c.predicted_ms, h.shape is not None)
             if c.width == 0:
                 self._zero_cycles += 1
                 self._zero_rows += record.batch_size

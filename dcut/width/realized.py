@@ -32,8 +32,16 @@ class _Cell:
     n: int = 0
     last: int = 0
     charged: float = 0.0  # of ``ms``: deferred work charged to the cycles (``charge``), as an EMA alike
-    run: int = 0  # cycles in a row over (+) or under (-) the mean time over predicted by more than ``shift``
+    run: int = 0  # pure cycles in a row over (+) or under (-) the mean time over predicted by more than ``shift``
     run_ratio: float = 0.0  # their summed time over predicted
+    mixed: int = 0  # cycles verified beside prefills, counted in the means above
+    # the pure decode cycles alone, averaged as above: the speed-shift detector's mean (``_shifted``). A cycle that
+    # also prefilled takes up to twice a pure one, and admissions come in bursts (requests of one length admitted
+    # together finish together): judged against a mean of both, a burst read as a change of speed.
+    pure_ms: float = 0.0
+    pure_predicted_ms: float = 0.0
+    pure_charged: float = 0.0
+    pure_n: int = 0
 
 
 class RealizedRates:
@@ -70,7 +78,9 @@ class RealizedRates:
         self._probes: dict[tuple[int, int], list[float]] = {}  # probe cycles' tokens and ms, per (bucket, width)
 
     def add(self, bucket: int, width: int, tokens: float, ms: float, predicted_tokens: float,
-            predicted_ms: float) -> None:
+            predicted_ms: float, pure: bool = True) -> None:
+        """One cycle of ``width``; ``pure``: its verification step held no prefill (only pure cycles can say the
+        machine changed speed: ``_Cell.pure_ms``)."""
         if ms <= 0 or predicted_ms <= 0:
             return
         # A stall (a cold engine after another ran, a shape met for the first time, the OS) is not what the width
@@ -80,7 +90,15 @@ class RealizedRates:
         tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
         rate = predicted_tokens / predicted_ms
         c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))
-        if self.shift is None or not self._shifted(bucket, width, c, ms / predicted_ms):  # (shifted: the run's)
+        if not pure or self.shift is None or not self._shifted(bucket, width, c, ms / predicted_ms):  # (the run's)
+            if pure:
+                p = max(self.weight, 1.0 / (c.pure_n + 1))
+                c.pure_ms += p * (ms - c.pure_ms)
+                c.pure_charged -= p * c.pure_charged
+                c.pure_predicted_ms += p * (predicted_ms - c.pure_predicted_ms)
+                c.pure_n += 1
+            else:
+                c.mixed += 1
             w = max(self.weight, 1.0 / (c.n + 1))
             c.tokens += w * (tokens - c.tokens)
             c.ms += w * (ms - c.ms)
@@ -103,9 +121,10 @@ class RealizedRates:
         and width 3 on fast ones, and ``joint`` drafted width 3 on a third of the steps at bs 32 where width 0 was
         best throughout). Forgotten widths are priced by the model (whose cost table follows the live steps) until
         exploration measures them again."""
-        if c.n == 0:
+        if c.pure_n == 0:
             return False
-        mean = (c.ms - c.charged) / c.predicted_ms  # (what the cycles took themselves: deferred work is paid later)
+        # (what the cycles took themselves: deferred work is paid later)
+        mean = (c.pure_ms - c.pure_charged) / c.pure_predicted_ms
         assert self.shift is not None
         step = 1 if ratio > mean * (1.0 + self.shift) else -1 if ratio * (1.0 + self.shift) < mean else 0
         if step == 0 or step * c.run < 0:
@@ -116,8 +135,11 @@ class RealizedRates:
             return False
         now = c.run_ratio / abs(c.run)
         c.charged *= now / mean
-        c.ms, c.run, c.run_ratio = c.predicted_ms * now + c.charged, 0, 0.0
-        c.n = min(c.n, SHIFT_RUN)  # what it measured before weighs no more than the run
+        c.pure_charged *= now / mean
+        # (with cycles that also prefilled in it, the mean keeps their share, at the new speed)
+        c.ms = c.ms * now / mean if c.mixed else c.predicted_ms * now + c.charged
+        c.pure_ms, c.run, c.run_ratio = c.pure_predicted_ms * now + c.pure_charged, 0, 0.0
+        c.n, c.pure_n = min(c.n, SHIFT_RUN), min(c.pure_n, SHIFT_RUN)  # what it measured before weighs no more
         for key in [k for k in self._cells if k[0] == bucket and k[1] != width]:
             del self._cells[key]
         for key in [k for k in self._probes if k[0] == bucket]:
@@ -146,10 +168,18 @@ class RealizedRates:
         cell = self._cells.get((bucket, width))
         if cell is None or cycles <= 0:
             return
-        # what the last ``cycles`` cycles weigh in the mean: a running mean's first cycles alike, then an EMA's
-        share = min(cycles, cell.n) / cell.n if cell.n * self.weight <= 1.0 else 1.0 - (1.0 - self.weight) ** cycles
+        share = self._share(cycles, cell.n)
         cell.ms += ms / cycles * share
         cell.charged += ms / cycles * share
+        if cell.pure_n:  # (the pure cycles' own mean alike, where the detector subtracts it again)
+            share = self._share(cycles, cell.pure_n)
+            cell.pure_ms += ms / cycles * share
+            cell.pure_charged += ms / cycles * share
+
+    def _share(self, cycles: int, n: int) -> float:
+        """What the last ``cycles`` of ``n`` cycles weigh in a mean: a running mean's first cycles alike, then an
+        EMA's."""
+        return min(cycles, n) / n if n * self.weight <= 1.0 else 1.0 - (1.0 - self.weight) ** cycles
 
     def correction(self, bucket: int) -> tuple[float, float]:
         """Realized over predicted, tokens and ms, over the bucket's recent cycles of every width."""
@@ -240,7 +270,8 @@ class RealizedRates:
         by the fleet is not explored again until the measurement fades)."""
         for c in cells:
             self._cells[(c.bucket, c.width)] = _Cell(c.tokens, c.ms, c.predicted_tokens, c.predicted_ms, c.rate,
-                                                     c.rate_var, c.n, self._ticks.get(c.bucket, 0))
+                                                     c.rate_var, c.n, self._ticks.get(c.bucket, 0),
+                                                     pure_ms=c.ms, pure_predicted_ms=c.predicted_ms, pure_n=c.n)
             pool = self._pooled.setdefault(c.bucket, [0.0, 0.0, 0.0, 0.0])
             for i, value in enumerate((c.tokens, c.predicted_tokens, c.ms, c.predicted_ms)):
                 pool[i] += value * min(c.n, 1.0 / self.weight)

@@ -362,3 +362,19 @@ def test_noise_and_short_bursts_are_not_a_change_of_speed(cycles: list[float]) -
     for ms in cycles:
         rates.add(4, 7, tokens=30.0, ms=ms, predicted_tokens=30.0, predicted_ms=10.0)
     assert rates.shifts == {}
+
+
+def test_a_burst_of_cycles_that_also_prefilled_is_not_a_change_of_speed_but_slow_pure_cycles_are() -> None:
+    """Width 2 at 10 ms a pure cycle and 18 ms one verified beside prefills, which come in bursts (requests of one
+    length admitted together finish together). A burst of them, however long, is no change of speed, and judged on the
+    pure cycles' own mean, pure ones that follow are not a change the other way either (against the mean of both they
+    would be 30 % under it); the mean the policy reads holds both. Pure cycles at twice their time are a change."""
+    rates = RealizedRates(min_samples=1, min_requests=1, shift=0.3)
+    rates.add(64, 0, tokens=64.0, ms=8.0, predicted_tokens=64.0, predicted_ms=8.0)
+    for pure in [True, False] * 20 + [False] * (3 * SHIFT_RUN) + [True] * (3 * SHIFT_RUN):
+        rates.add(64, 2, tokens=100.0, ms=10.0 if pure else 18.0, predicted_tokens=100.0, predicted_ms=10.0, pure=pure)
+    assert rates.shifts == {} and rates.samples(64, 0) == 1
+    assert 10.0 < 1000.0 * 100.0 / rates.summary()["64/2"]["tokens_per_s"] < 18.0  # both kinds, in the mean
+    for _ in range(SHIFT_RUN):
+        rates.add(64, 2, tokens=100.0, ms=20.0, predicted_tokens=100.0, predicted_ms=10.0)
+    assert rates.shifts == {64: 1} and rates.samples(64, 0) == 0
