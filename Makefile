@@ -59,7 +59,7 @@ replay: $(STAMP)   # every policy on the committed traces and cost models, deter
 # the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
 # (~50 min here): docs/compare-deep
 compare: $(STAMP)
-	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-pure \
+	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
 		--out docs/compare-deep
 
@@ -70,7 +70,7 @@ compare-floor: $(STAMP)
 		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/compare-floor
 
 compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/compare-deep-batch
-	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-pure \
+	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic batch --out docs/compare-deep-batch
 
 loadtest: $(STAMP)

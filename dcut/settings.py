@@ -65,8 +65,8 @@ class DCutSettings(BaseModel):
         "this much more (or less) time than its mean, relative to the cost table, the machine changed speed: the batch "
         "size's other widths, measured at the old speed, are measured again. None: never (a machine of one speed).")
     count_mixed_steps: bool = Field(
-        True, description="Mode joint: a width's realized rate counts the cycles whose verification step also held "
-        "prefills (new requests), as serving does; False: pure decode steps only (the rule before 2026-12-05).")
+        False, description="Mode joint: a width's realized rate also counts the cycles whose verification step held "
+        "prefills (new requests). Off: live it lost to pure steps alone at bs 32 (docs/compare-mixed).")
     probe_share: float = Field(0.01, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
                                "(another width, verified in full) so acceptance stays known where D-Cut "
                                "does not draft or verify.")

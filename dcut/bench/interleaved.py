@@ -66,10 +66,10 @@ from dcut.settings import EngineSettings
 TRAFFIC = ("steady", "batch")
 WAVES = 3  # steady traffic: requests per cell, in units of the batch size
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind", "joint-noshift",
-                 "joint-pure")
+                 "joint-mixed")
 # joint with one of its mechanisms off: what that mechanism is worth
 JOINT_VARIANTS = {"joint-blind": {"context_cost": False}, "joint-noshift": {"speed_shift": None},
-                  "joint-pure": {"count_mixed_steps": False}}
+                  "joint-mixed": {"count_mixed_steps": True}}
 PINNED = re.compile(r"joint-w(\d+)")  # joint pinned to one width: joint-w0 is the floor, joint-w3 a fixed width
 # a second (third...) engine of a mode, built and run as one more arm: ``none#2`` against ``none`` measures what an
 # engine's place in the process alone does (module docstring: build order)
@@ -106,7 +106,7 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     verified), ``joint`` (D-Cut as shipped), ``joint-w0`` (joint pinned to width 0: the floor; ``joint-wN`` pins
     width N), ``joint-blind`` (joint deciding at the profiled context, not the batch's: what the context axis
     changes), ``joint-noshift`` (joint never noticing the machine change speed: what ``speed_shift`` is worth),
-    ``joint-pure`` (joint measuring widths on pure decode steps only: what ``count_mixed_steps`` is worth); all
+    ``joint-mixed`` (joint measuring widths on the steps that also prefilled too: ``count_mixed_steps``); all
     built by ``dcut.bench.generate``'s ``settings_for_mode`` / ``dynamic_settings``, as ``dcut
     sweep`` builds them. ``mode#N`` is another engine of ``mode``."""
     arms = []

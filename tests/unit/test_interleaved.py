@@ -37,9 +37,9 @@ def test_arms_build_what_each_mode_means():
     off = {a.name: a.settings.dcut for a in arms_for(base, ["joint", "joint-noshift"], None)}
     assert off["joint"].speed_shift == 0.3 and off["joint-noshift"] == off["joint"].model_copy(
         update={"speed_shift": None})  # joint in all but noticing the machine change speed
-    pure = {a.name: a.settings.dcut for a in arms_for(base, ["joint", "joint-pure"], None)}
-    assert pure["joint"].count_mixed_steps and pure["joint-pure"] == pure["joint"].model_copy(
-        update={"count_mixed_steps": False})  # joint in all but counting the steps that held prefills
+    mixed = {a.name: a.settings.dcut for a in arms_for(base, ["joint", "joint-mixed"], None)}
+    assert not mixed["joint"].count_mixed_steps and mixed["joint-mixed"] == mixed["joint"].model_copy(
+        update={"count_mixed_steps": True})  # joint in all but counting the steps that held prefills
     copies = {a.name: a.settings for a in arms_for(base, ["none", "none#2", "joint-w0#2"], None)}
     assert copies["none#2"] == copies["none"] and copies["joint-w0#2"].dcut.widths == [0]  # one more engine of each
     with pytest.raises(ValueError, match="schedule"):
