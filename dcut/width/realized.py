@@ -34,13 +34,12 @@ class _Cell:
     charged: float = 0.0  # of ``ms``: deferred work charged to the cycles (``charge``), as an EMA alike
     run: int = 0  # pure cycles in a row over (+) or under (-) the mean time over predicted by more than ``shift``
     run_ratio: float = 0.0  # their summed time over predicted
-    mixed: int = 0  # cycles verified beside prefills, counted in the means above
-    # the pure decode cycles alone, averaged as above: the speed-shift detector's mean (``_shifted``). A cycle that
-    # also prefilled takes up to twice a pure one, and admissions come in bursts (requests of one length admitted
-    # together finish together): judged against a mean of both, a burst read as a change of speed.
+    # the pure decode cycles alone, averaged as above, their own time (no charges): the speed-shift detector's mean
+    # (``_shifted``). A cycle that also prefilled takes up to twice a pure one, and admissions come in bursts
+    # (requests of one length admitted together finish together): judged against a mean of both, a burst read as a
+    # change of speed.
     pure_ms: float = 0.0
     pure_predicted_ms: float = 0.0
-    pure_charged: float = 0.0
     pure_n: int = 0
 
 
@@ -94,11 +93,8 @@ class RealizedRates:
             if pure:
                 p = max(self.weight, 1.0 / (c.pure_n + 1))
                 c.pure_ms += p * (ms - c.pure_ms)
-                c.pure_charged -= p * c.pure_charged
                 c.pure_predicted_ms += p * (predicted_ms - c.pure_predicted_ms)
                 c.pure_n += 1
-            else:
-                c.mixed += 1
             w = max(self.weight, 1.0 / (c.n + 1))
             c.tokens += w * (tokens - c.tokens)
             c.ms += w * (ms - c.ms)
@@ -123,8 +119,7 @@ class RealizedRates:
         exploration measures them again."""
         if c.pure_n == 0:
             return False
-        # (what the cycles took themselves: deferred work is paid later)
-        mean = (c.pure_ms - c.pure_charged) / c.pure_predicted_ms
+        mean = c.pure_ms / c.pure_predicted_ms  # (what the cycles took themselves: deferred work is paid later)
         assert self.shift is not None
         step = 1 if ratio > mean * (1.0 + self.shift) else -1 if ratio * (1.0 + self.shift) < mean else 0
         if step == 0 or step * c.run < 0:
@@ -135,10 +130,8 @@ class RealizedRates:
             return False
         now = c.run_ratio / abs(c.run)
         c.charged *= now / mean
-        c.pure_charged *= now / mean
-        # (with cycles that also prefilled in it, the mean keeps their share, at the new speed)
-        c.ms = c.ms * now / mean if c.mixed else c.predicted_ms * now + c.charged
-        c.pure_ms, c.run, c.run_ratio = c.pure_predicted_ms * now + c.pure_charged, 0, 0.0
+        c.ms *= now / mean  # (cycles that also prefilled keep their share in it, at the new speed)
+        c.pure_ms, c.run, c.run_ratio = c.pure_predicted_ms * now, 0, 0.0
         c.n, c.pure_n = min(c.n, SHIFT_RUN), min(c.pure_n, SHIFT_RUN)  # what it measured before weighs no more
         for key in [k for k in self._cells if k[0] == bucket and k[1] != width]:
             del self._cells[key]
@@ -168,18 +161,10 @@ class RealizedRates:
         cell = self._cells.get((bucket, width))
         if cell is None or cycles <= 0:
             return
-        share = self._share(cycles, cell.n)
+        # what the last ``cycles`` cycles weigh in the mean: a running mean's first cycles alike, then an EMA's
+        share = min(cycles, cell.n) / cell.n if cell.n * self.weight <= 1.0 else 1.0 - (1.0 - self.weight) ** cycles
         cell.ms += ms / cycles * share
         cell.charged += ms / cycles * share
-        if cell.pure_n:  # (the pure cycles' own mean alike, where the detector subtracts it again)
-            share = self._share(cycles, cell.pure_n)
-            cell.pure_ms += ms / cycles * share
-            cell.pure_charged += ms / cycles * share
-
-    def _share(self, cycles: int, n: int) -> float:
-        """What the last ``cycles`` of ``n`` cycles weigh in a mean: a running mean's first cycles alike, then an
-        EMA's."""
-        return min(cycles, n) / n if n * self.weight <= 1.0 else 1.0 - (1.0 - self.weight) ** cycles
 
     def correction(self, bucket: int) -> tuple[float, float]:
         """Realized over predicted, tokens and ms, over the bucket's recent cycles of every width."""

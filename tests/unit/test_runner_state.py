@@ -177,7 +177,7 @@ def test_a_flush_charges_width_zeros_cycles_only_their_rows_share():
 @pytest.mark.parametrize("mixed", [True, False])
 def test_a_cycle_verified_beside_a_prefill_counts_with_its_time_unless_asked_not_to(mixed: bool):
     """Width 0 at bs 2, 10 ms a cycle; two of the verification steps also prefill a new request in a finished one's
-    place (20 ms more). Counted (the default), the width pays for them; pure steps only (``count_mixed_steps=False``),
+    place (20 ms more). Counted (``count_mixed_steps=True``), the width pays for them; pure steps only (the default),
     it looks as fast as its pure steps."""
     clock = [0.0]
     r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0], probe_share=0.0, count_mixed_steps=mixed),
