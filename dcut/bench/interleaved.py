@@ -10,21 +10,28 @@ faster or slower only where the ratio's interval excludes 1.
 Two kinds of traffic (``TRAFFIC``):
 
 - ``steady`` (the default): concurrency held at b, as a server under load holds it. ``steady_requests(b)``
-  requests (``WAVES * b``, and enough for ``MIN_WINDOW`` admissions inside the window), a new one admitted the
-  moment one finishes; the cell's rate is the tokens
-  emitted from the step that gives request b (the first admitted on a finish) its first token to the step that
-  gives request ``requests - b`` its first, over that time. What a closed batch adds on both sides (every prompt
-  prefilled at once, then a batch draining to one request) is outside the window; the prefills inside it are
-  mixed with decoding as they are when serving. Both ends are the same moment of a prefill (one just done, in
-  admission order, which is the scheduler's), so the window holds the prefills of ``requests - 2b`` requests
-  in every mode, however a mode's requests finish (together: plain decoding, in waves; one by one:
-  speculation) and however its scheduler chunks a prefill. Windows bounded by finishes did not: a prefill runs
-  a few steps after its admission, and where a mode's prefills were chunked finer (a speculative engine's
-  token budget keeps room for every running request's drafts, at bs 32 a quarter of it), the next wave's
-  first prefills fell inside its window and not inside plain decoding's: the same 4,096 tokens carried
-  6,300 prefilled tokens against 5,000, and width 0 pinned measured 0.93x plain decoding with decode steps
-  3 % dearer. A window from the first finish charged a staggered mode up to a wave's extra prefills (at bs
-  64, ``joint`` measured 0.96x plain decoding though its decode steps were 7-9 % faster).
+  requests, a new one admitted the moment one finishes: ``BURN_IN`` waves of b, then ``WAVES`` waves (and at
+  least ``MIN_WINDOW`` requests) admitted inside the window. The cell's rate is the tokens emitted from the step
+  that gives the first request after the burn-in its first token to the step that gives the last request its
+  first, over that time. Both ends are the same moment of a prefill (one just done, in admission order, which is
+  the scheduler's), so the window holds the same prefills in every mode, however its scheduler chunks them.
+  Windows bounded by finishes did not: where a speculative engine's token budget (room kept for every running
+  request's drafts) chunked prefills finer, the next wave's first prefills fell inside its window and not inside
+  plain decoding's (width 0 pinned measured 0.93x plain decoding with decode steps 3 % dearer).
+  The window must also hold what a server long under load holds: prompts in the proportion they are admitted
+  (one per request's tokens), and in flight the prompts that hold slots longest. A burst of b prompts started
+  together has neither, so:
+  - the first wave's lengths are staggered (request i of b gets (i + 1) / b of the tokens, ``first_wave``), so
+    it finishes evenly over one request's life. Started as one length, plain decoding's requests finished
+    together for good, and every wave was prefilled at once;
+  - the window opens after a burn-in of ``BURN_IN`` waves, long enough for slow prompts to gather in the slots.
+  Opened on the second wave of a first wave of one length and closed on the third wave's first prefill, the
+  window favoured speculation where prompts accept unevenly (in flight: one of each prompt, the fast ones
+  over-counted) and held a quarter more prefills per token than a server does where they finish unevenly (the
+  third wave starts on the second's first finish, its fastest request's). Live at bs 64 (deep pair, width 2 pinned, 2026-12-05) it
+  measured width 2 at 0.87-0.89x plain decoding; a window of ten waves, 0.92-0.96x. On an engine of prompts at
+  1-16 tokens a step it measured 1.04-1.56x a hundred waves at bs 16-64, the window here 0.98-1.01x
+  (``tests/unit/test_interleaved.py``).
   The window holds at least ``MIN_WINDOW`` admissions because greedy requests are the same in every repeat:
   a window of a few requests measures those prompts, and repeats cannot average them out. Three waves at bs 4 on
   the MoE pair (12 requests, 4 admitted in the window) put `full` at 1,373 tok/s and `joint` at 1,419 against
@@ -64,7 +71,8 @@ from dcut.machine import machine_info
 from dcut.settings import EngineSettings
 
 TRAFFIC = ("steady", "batch")
-WAVES = 3  # steady traffic: requests per cell, in units of the batch size
+BURN_IN = 2  # steady traffic: waves of requests before the window (module docstring: why)
+WAVES = 3  # steady traffic: the window's admissions, in units of the batch size (and MIN_WINDOW at least)
 COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind", "joint-noshift",
                  "joint-mixed")
 # joint with one of its mechanisms off: what that mechanism is worth
@@ -77,9 +85,12 @@ COPY = re.compile(r"(.+)#(\d+)")
 BUILD_ORDERS = ("shuffled", "given")
 MIN_PROMPTS = 8
 MIN_WINDOW = 32  # steady traffic: requests admitted inside the window, at least (module docstring: why)
-# steady traffic's window, as a report says it: "first tokens" since it was bounded by prefills (``_steady``), and
-# "finishes" in records from before (no "window" field)
-WINDOWS = {"first tokens": "first token of the request admitted on the first finish to that of the request the "
+# steady traffic's window, as a report says it: "staggered" since the first wave's lengths are staggered and the
+# window ends at the last admission (``_steady``), "first tokens" when it was bounded by prefills but began with a
+# wave of one length, and "finishes" in records from before (no "window" field)
+WINDOWS = {"staggered": "first token of the request admitted on the first finish to that of the last request "
+                        "admitted; the first wave's lengths staggered (1/b to b/b of the tokens)",
+           "first tokens": "first token of the request admitted on the first finish to that of the request the "
                            "last wave starts with",
            "finishes": "batch size-th finish to the finish that admits the last request"}
 BOOTSTRAP = 2000
@@ -185,8 +196,9 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
             "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
+            "burn_in": BURN_IN if traffic == "steady" else None,
             "min_window": MIN_WINDOW if traffic == "steady" else None,
-            "window": "first tokens" if traffic == "steady" else None,
+            "window": "staggered" if traffic == "steady" else None,
             "schedule": schedule, "build_order": [a.name for a in builds],
             "startup_s": {name: round(s, 1) for name, (_, s) in engines.items()},
             "cells": cells, "comparisons": comparisons, "controls": controls, "runs": runs}
@@ -259,22 +271,29 @@ def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
 
 
 def steady_requests(bs: int) -> int:
-    """Requests in a steady-traffic cell at ``bs``: ``WAVES`` waves, and ``MIN_WINDOW`` admitted inside the window
-    (which leaves out the first wave and the last ``bs`` admissions)."""
-    return max(WAVES * bs, 2 * bs + MIN_WINDOW)
+    """Requests in a steady-traffic cell at ``bs``: ``BURN_IN`` waves before the window, then ``WAVES`` waves and
+    ``MIN_WINDOW`` requests at least admitted inside it."""
+    return window_start(bs) + 1 + max(WAVES * bs, MIN_WINDOW)
+
+
+def window_start(bs: int) -> int:
+    """The request whose first token opens a steady-traffic window: the first of the wave after the burn-in."""
+    return BURN_IN * bs
 
 
 def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
     """``requests`` prompts (cycling ``prompts``) with ``bs`` in flight, one admitted as one finishes: every
-    request's token ids in order, and the tokens emitted and seconds from the step that gives request ``bs`` its
-    first token to the one that gives request ``requests - bs`` its first: the window of steady concurrency,
-    bounded by prefills in admission order so that every mode's holds the same ones (``dcut.bench.interleaved``
-    says why)."""
+    request's token ids in order, and the tokens emitted and seconds from the step that gives request
+    ``window_start(bs)`` its first token to the one that gives the last request its first: the window of steady
+    concurrency, bounded by prefills in admission order so that every mode's holds the same ones, after a burn-in
+    begun with a first wave of staggered lengths (``first_wave``) so that it holds them, and the prompts in flight,
+    in a server's proportions (``dcut.bench.interleaved`` says why)."""
     from vllm.sampling_params import RequestOutputKind
 
-    if requests <= 2 * bs:
+    first = window_start(bs)
+    if requests <= first + 1:
         raise RuntimeError(f"no window of steady concurrency: {requests} requests at bs {bs} (need more than "
-                           f"{2 * bs})")
+                           f"{first + 1})")
     engine = llm.llm_engine
     delta = params.clone()
     delta.output_kind = RequestOutputKind.DELTA
@@ -284,7 +303,8 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
 
     def admit() -> None:
         nonlocal admitted
-        engine.add_request(f"steady-{admitted}", prompts[admitted % len(prompts)], delta)
+        engine.add_request(f"steady-{admitted}", prompts[admitted % len(prompts)],
+                           first_wave(delta, admitted, bs) if admitted < bs else delta)
         admitted += 1
 
     while admitted < bs:
@@ -300,12 +320,21 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
         now = time.perf_counter()
         if start is not None and end is None:
             tokens += emitted
-        if start is None and out[bs]:
+        if start is None and out[first]:
             start = now
-        if end is None and out[requests - bs]:
+        if end is None and out[requests - 1]:
             end = now
     assert start is not None and end is not None
     return out, tokens, end - start
+
+
+def first_wave(params: Any, i: int, bs: int) -> Any:
+    """Request ``i`` of the first wave: ``(i + 1) / bs`` of the tokens, so that the first wave finishes evenly
+    over one request's life and every later request is admitted as in a server long under load (module
+    docstring: steady, why)."""
+    short = params.clone()
+    short.max_tokens = max(1, -(-params.max_tokens * (i + 1) // bs))
+    return short
 
 
 def control_of(mode: str) -> str | None:
@@ -421,7 +450,9 @@ def markdown(record: dict[str, Any]) -> str:
     m = record["machine"]
     traffic = record.get("traffic", "batch")
     lines += ["", f"Traffic: {traffic} (" + (
-        f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell"
+        (f"concurrency held at the batch size, {record['burn_in']} waves of requests before the window, "
+         f"{record.get('waves')} waves admitted in it" if record.get("burn_in") else
+         f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell")
         + (f" and at least {record['min_window']} admitted in the window" if record.get("min_window") else "")
         + "; rate from the "
         + WINDOWS[record.get("window", "finishes")] if traffic == "steady" else
