@@ -28,10 +28,10 @@ Two kinds of traffic (``TRAFFIC``):
   Opened on the second wave of a first wave of one length and closed on the third wave's first prefill, the
   window favoured speculation where prompts accept unevenly (in flight: one of each prompt, the fast ones
   over-counted) and held a quarter more prefills per token than a server does where they finish unevenly (the
-  third wave starts on the second's first finish, its fastest request's). Live at bs 64 (deep pair, width 2 pinned, 2026-12-05) it
-  measured width 2 at 0.87-0.89x plain decoding; a window of ten waves, 0.92-0.96x. On an engine of prompts at
-  1-16 tokens a step it measured 1.04-1.56x a hundred waves at bs 16-64, the window here 0.98-1.01x
-  (``tests/unit/test_interleaved.py``).
+  third wave starts on the second's first finish, its fastest request's). Live at bs 64 (deep pair, width 2
+  pinned, 2026-12-05) it measured width 2 at 0.87-0.89x plain decoding; a window of ten waves, 0.92-0.96x. On an
+  engine of prompts at 1-16 tokens a step it measured 1.04-1.56x a hundred waves at bs 16-64, the window here
+  0.98-1.01x (``tests/unit/test_interleaved.py``).
   The window holds at least ``MIN_WINDOW`` admissions because greedy requests are the same in every repeat:
   a window of a few requests measures those prompts, and repeats cannot average them out. Three waves at bs 4 on
   the MoE pair (12 requests, 4 admitted in the window) put `full` at 1,373 tok/s and `joint` at 1,419 against
