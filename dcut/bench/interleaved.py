@@ -88,8 +88,8 @@ MIN_WINDOW = 32  # steady traffic: requests admitted inside the window, at least
 # steady traffic's window, as a report says it: "staggered" since the first wave's lengths are staggered and the
 # window ends at the last admission (``_steady``), "first tokens" when it was bounded by prefills but began with a
 # wave of one length, and "finishes" in records from before (no "window" field)
-WINDOWS = {"staggered": "first token of the request admitted on the first finish to that of the last request "
-                        "admitted; the first wave's lengths staggered (1/b to b/b of the tokens)",
+WINDOWS = {"staggered": "first token of the first request after the burn-in to that of the last request admitted; "
+                        "the first wave's lengths staggered (1/b to b/b of the tokens)",
            "first tokens": "first token of the request admitted on the first finish to that of the request the "
                            "last wave starts with",
            "finishes": "batch size-th finish to the finish that admits the last request"}
@@ -450,9 +450,9 @@ def markdown(record: dict[str, Any]) -> str:
     m = record["machine"]
     traffic = record.get("traffic", "batch")
     lines += ["", f"Traffic: {traffic} (" + (
-        (f"concurrency held at the batch size, {record['burn_in']} waves of requests before the window, "
-         f"{record.get('waves')} waves admitted in it" if record.get("burn_in") else
-         f"concurrency held at the batch size, {record.get('waves')} waves of requests per cell")
+        "concurrency held at the batch size, "
+        + (f"{record['burn_in']} waves of requests before the window, {record.get('waves')} waves admitted in it"
+           if record.get("burn_in") else f"{record.get('waves')} waves of requests per cell")
         + (f" and at least {record['min_window']} admitted in the window" if record.get("min_window") else "")
         + "; rate from the "
         + WINDOWS[record.get("window", "finishes")] if traffic == "steady" else

@@ -251,13 +251,11 @@ def test_steady_window_holds_the_same_prefills_however_the_scheduler_chunks_them
                                                                                 length):
     """A cell's window measures what forty waves do, within 2.5 %, where the engine chunks prefills finer while
     requests decode. Bounded by finishes, it measured 5-8 % low here: the next wave's first prefills fell inside."""
-    import dcut.bench.interleaved as interleaved
-
     def rate(requests: int) -> float:
         return _steady_rate(monkeypatch, lambda clock: _ChunkedEngine(budget, reserve, clock), ["p"], 8, requests,
                             length)
 
-    assert rate(interleaved.steady_requests(8)) == pytest.approx(rate(40 * 8), rel=0.025)
+    assert rate(steady_requests(8)) == pytest.approx(rate(40 * 8), rel=0.025)
 
 
 @pytest.mark.parametrize("bs", [1, 2, 4, 8, 16])
