@@ -26,6 +26,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "slower on alternate stretches of STEPS steps, e.g. 1.5:150 (default: steady)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
+    parser.add_argument("--starts", type=int, default=5, help="replay each cell from this many starts in the trace "
+                        "(other requests, at other stages) and pool them; a comparison is paired per start")
     parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
     parser.add_argument("--json", action="store_true", help="print the report JSON to stdout too")
 
@@ -37,8 +39,8 @@ def run(args: argparse.Namespace) -> int:
     from dcut.replay.write import write_report
 
     torch.set_num_threads(1)  # tiny tensors; one thread is faster and the figures cannot depend on it
-    if args.steps < 1 or args.warmup < 0:
-        raise CommandError("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.starts < 1:
+        raise CommandError("--steps and --starts must be >= 1 and --warmup >= 0")
     if (args.trace is None) != (args.costs is None):
         raise CommandError("--trace and --costs go together")
     if args.context is not None and (args.trace is None or args.context < 1):
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from e
     if drift is not None:
         cases = [dataclasses.replace(c, drift=drift) for c in cases]
-    report = write_report(cases, Path(args.out), args.steps, args.warmup)
+    report = write_report(cases, Path(args.out), args.steps, args.warmup, args.starts)
     if args.json:
         print(json.dumps(report, indent=1))
     return 0

@@ -37,6 +37,8 @@ from dcut.replay.policy import Policy, Verified
 from dcut.settings import DCutSettings
 from dcut.trace import Trace
 
+GOLDEN = (5 ** 0.5 - 1) / 2  # each start's stage phase: start * GOLDEN mod 1 (``Walk``)
+
 
 class Pools:
     """Each width's rows of a trace, by recorded request: what replay draws a request's drafts and true acceptance
@@ -89,9 +91,10 @@ class Pools:
     def mean_accepted(self, width: int) -> float:
         return float(self._pools[width][1].mean())
 
-    def walk(self, bs: int) -> Walk:
-        """``bs`` request slots in requests spread over the trace, each at its own stage of its request (``Walk``)."""
-        return Walk(self, bs)
+    def walk(self, bs: int, start: int = 0) -> Walk:
+        """``bs`` request slots in requests spread over the trace, each at its own stage of its request (``Walk``);
+        ``start`` picks another set of requests and stages (0: the first)."""
+        return Walk(self, bs, start)
 
 
 class Walk:
@@ -105,14 +108,17 @@ class Walk:
     same way, so two policies emitting the same tokens see the same drafts.
     """
 
-    def __init__(self, pools: Pools, bs: int) -> None:
+    def __init__(self, pools: Pools, bs: int, start: int = 0) -> None:
         self._pools, self.bs = pools, bs
         n = len(pools._requests)
-        self._request = (np.arange(bs) * max(1, n // bs)) % n
-        # Slot i starts i / bs of the way into its request (one request of all rows, where no context was recorded:
-        # spread along it): a steady batch's requests are at every stage of their text, not all at their start.
+        self._request = (np.arange(bs) * max(1, n // bs) + start) % n
+        # Slot i starts (i + phase) / bs of the way into its request (one request of all rows, where no context was
+        # recorded: spread along it): a steady batch's requests are at every stage of their text, not all at their
+        # start. Another ``start`` moves every slot to the next request and to another stage (a golden-ratio
+        # phase: starts spread evenly, whatever their number).
+        phase = (start * GOLDEN) % 1.0
         starts, ends = pools._starts[self._request], pools._ends[self._request]
-        self._position = starts + np.arange(bs) * (ends - starts + 1) // bs
+        self._position = starts + ((np.arange(bs) + phase) * (ends - starts + 1) // bs).astype(np.int64)
 
     def rows(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(log_conf [bs, width], accepted [bs])``: each slot's request's row at its position."""
@@ -204,11 +210,30 @@ class Cell:
         return 1000.0 * self.tokens / self.ms if self.ms > 0 else 0.0
 
 
+def pooled(cells: list[Cell]) -> Cell:
+    """One policy's replays from several starts (``Pools.walk``) as one cell: their sums, so its rate is over all
+    of them, with each start's rate in ``extra["by_start"]`` (what a comparison pairs: two policies from one start
+    meet the same requests) and the first start's ``extra`` besides (``converged_at_step`` becomes each start's)."""
+    first = cells[0]
+    ms = sum(c.ms for c in cells)
+    widths: Counter[int] = Counter()
+    for c in cells:
+        widths.update(c.widths)
+    predicted = None if any(c.predicted_tokens_per_s is None for c in cells) or ms <= 0 else \
+        sum(c.predicted_tokens_per_s * c.ms for c in cells if c.predicted_tokens_per_s is not None) / ms
+    extra = {**first.extra, "by_start": [round(c.tokens_per_s, 3) for c in cells]}
+    if "converged_at_step" in first.extra:
+        extra["converged_at_step"] = [c.extra.get("converged_at_step") for c in cells]
+    return Cell(first.policy, first.bs, sum(c.steps for c in cells), sum(c.tokens for c in cells), ms,
+                dict(sorted(widths.items())), sum(c.verified_drafts for c in cells), sum(c.drafted for c in cells),
+                predicted, extra)
+
+
 def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
-             clock: SimClock | None = None, none: bool = False, drift: Drift | None = None) -> Cell:
+             clock: SimClock | None = None, none: bool = False, drift: Drift | None = None, start: int = 0) -> Cell:
     """Replay ``warmup + steps`` steps; the figures count the last ``steps`` (steady state).
     ``none``: no speculation, an engine without a drafter (every step costs ``cost.none``); ``drift``: the
-    machine's speed over the steps (None: steady)."""
+    machine's speed over the steps (None: steady); ``start``: where in the trace the walk starts (``Pools.walk``)."""
     clock = clock or SimClock()
     begin = getattr(policy, "begin", None)
     kept = np.zeros(bs, dtype=np.int64)
@@ -218,7 +243,7 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
     widths: Counter[int] = Counter()
     verified = drafted = 0
     step_ms = 0.0
-    walk = pools.walk(bs)
+    walk = pools.walk(bs, start)
     for n in range(warmup + steps):
         slow = 1.0 if drift is None else drift(n)
         accepted = np.minimum(true, kept)
@@ -338,7 +363,8 @@ class _Option:
     emitted: Callable[[int], np.ndarray]
 
 
-def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int, drift: Drift | None = None) -> Cell:
+def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int, drift: Drift | None = None,
+           start: int = 0) -> Cell:
     """The best any policy could do on these requests: knowing each request's true acceptance at every width,
     draft the width that pays best and verify only drafts that will be accepted (all of them, or fewer where the
     cost table's steps make the last few dearer than they are worth; the first drafts of each request first).
@@ -360,11 +386,11 @@ def oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int, drif
             out.append(_Option(tokens, ms, tokens, ms, lambda b, a=accepted: 1 + _first_drafts_first(a, b)))
         return out
 
-    return _walked_best("oracle", bs, pools, widths, steps, warmup, options, drift)
+    return _walked_best("oracle", bs, pools, widths, steps, warmup, options, drift, start)
 
 
 def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup: int,
-                      drift: Drift | None = None) -> Cell:
+                      drift: Drift | None = None, start: int = 0) -> Cell:
     """The best a policy deciding on the drafter's confidences could do: each step it sees every width's drafts
     with their confidences calibrated in hindsight (per width, position and confidence bin, fitted on the whole
     trace: ``dcut.calibration.Calibrator``), drafts the width and keeps the global top-B that maximise expected
@@ -409,7 +435,7 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
             out.append(_Option(expected, base + cost.overhead(expected), true, base + cost.overhead(true), emitted))
         return out
 
-    return _walked_best("oracle-conf", bs, pools, widths, steps, warmup, options, drift)
+    return _walked_best("oracle-conf", bs, pools, widths, steps, warmup, options, drift, start)
 
 
 def _verify(cost: CostModel, bs: int, tokens: np.ndarray, context: float | None) -> np.ndarray:
@@ -427,7 +453,8 @@ def _first_drafts_first(accepted: np.ndarray, budget: int) -> np.ndarray:
 
 
 def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int, warmup: int,
-                 options: Callable[[Walk], list[_Option]], drift: Drift | None = None, rounds: int = 30) -> Cell:
+                 options: Callable[[Walk], list[_Option]], drift: Drift | None = None, start: int = 0,
+                 rounds: int = 30) -> Cell:
     """Maximise believed tokens over ms along a walk: Dinkelbach's iteration, each round walking from the start and
     taking at every step the (width, budget) with the most ``tokens - rate * ms`` at the last round's rate, until
     the rate holds still. A pick moves the slots on by what it truly emits, so the path follows the picks. The
@@ -435,7 +462,7 @@ def _walked_best(name: str, bs: int, pools: Pools, widths: list[int], steps: int
     oracle knows it."""
     rate, cell = 0.0, None
     for _ in range(rounds):
-        walk = pools.walk(bs)
+        walk = pools.walk(bs, start)
         believed = np.zeros(2)
         tokens = ms = 0.0
         hist: Counter[int] = Counter()

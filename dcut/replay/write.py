@@ -9,15 +9,16 @@ from typing import Any
 
 from dcut.plots import plot_speedup
 from dcut.replay.paper import paper_check, paper_check_markdown
-from dcut.replay.report import Case, markdown_table, replay_case, summarize
+from dcut.replay.report import STARTS, Case, markdown_table, replay_case, summarize
 
 
-def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[str, Any]:
+def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: int = STARTS) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"steps": steps, "warmup": warmup, "cases": {}}
-    md = [f"# Replay ({steps} measured steps after {warmup} warm-up steps per cell; deterministic)\n"]
+    report: dict[str, Any] = {"steps": steps, "warmup": warmup, "starts": starts, "cases": {}}
+    md = [f"# Replay ({steps} measured steps after {warmup} warm-up steps per cell, from each of {starts} starts "
+          "in the trace, pooled; deterministic)\n"]
     for case in cases:
-        summary = summarize(case, replay_case(case, steps, warmup))
+        summary = summarize(case, replay_case(case, steps, warmup, starts=starts))
         if case.name == "h20-paper":
             summary["paper_check"] = paper_check(summary)
         report["cases"][case.name] = summary
@@ -34,21 +35,41 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int) -> dict[
     return report
 
 
+BASELINES = ("none", "dynamic", "vllm-adaptive")  # with every fixed-K: what `joint` must never lose to
+
+
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
     """What ``joint`` drafted at each batch size (steps per width), beside the oracle's choice; what it predicted
-    against what it got; and from which measured step its width stayed the one it ends on (steps to converge)."""
+    against what it got; ``joint`` over the best baseline (``BASELINES`` and every fixed width), pooled and per start
+    (paired: both met the same requests); and from which measured step its width stayed the one it ends on (steps to
+    converge), per start."""
     lines = ["| bs | joint: steps per width | oracle: steps per width | joint / oracle | oracle-conf: steps per "
-             "width | joint / oracle-conf | joint: predicted / realized tok/s | converged at step |",
-             "|---|---|---|---|---|---|---|---|"]
+             "width | joint / oracle-conf | joint / best baseline (per start) | joint: predicted / realized tok/s "
+             "| converged at step (per start) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
     for b in summary["batch_sizes"]:
         j, o, c = cell[("joint", b)], cell[("oracle", b)], cell[("oracle-conf", b)]
         predicted, got = j.get("predicted_tokens_per_s"), j["tokens_per_s"]
         vs = "–" if predicted is None else f"{predicted:.0f} / {got:.0f} ({predicted / got:.2f})"
+        converged = j.get("converged_at_step", "–")
+        steps = ", ".join(map(str, converged)) if isinstance(converged, list) else str(converged)
         lines.append(f"| {b} | {_hist(j['widths'])} | {_hist(o['widths'])} | {j['fraction_of_oracle']:.3f} | "
-                     f"{_hist(c['widths'])} | {j['fraction_of_confidence_oracle']:.3f} | {vs} | "
-                     f"{j.get('converged_at_step', '–')} |")
+                     f"{_hist(c['widths'])} | {j['fraction_of_confidence_oracle']:.3f} | "
+                     f"{_against_best(j, [r for r in summary['rows'] if r['bs'] == b])} | {vs} | {steps} |")
     return "\n".join(lines) + "\n"
+
+
+def _against_best(joint: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """``joint`` over the best baseline at one batch size: pooled over the starts, then each start's range."""
+    best = max((r for r in rows if r["policy"] in BASELINES or r["policy"].startswith("fixed-")),
+               key=lambda r: r["tokens_per_s"])
+    text = f"{joint['tokens_per_s'] / best['tokens_per_s']:.3f} vs {best['policy']}"
+    mine, theirs = joint.get("by_start"), best.get("by_start")
+    if mine and theirs and len(mine) == len(theirs) > 1:
+        ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+        text += f" ({min(ratios):.3f}–{max(ratios):.3f})"
+    return text
 
 
 def _hist(widths: dict[str, int]) -> str:

@@ -10,7 +10,7 @@ import pytest
 from dcut.cost_table import CostTable, Fingerprint
 from dcut.replay.costs import CostModel
 from dcut.replay.policy import FixedWidth
-from dcut.replay.simulate import Drift, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, run_cell
+from dcut.replay.simulate import Drift, Pools, RunnerPolicy, SimClock, confidence_oracle, oracle, pooled, run_cell
 from dcut.settings import DCutSettings
 from dcut.trace import from_rows
 
@@ -179,3 +179,28 @@ def test_requests_are_told_apart_by_their_contexts_and_slots_move_on_to_the_next
     walk = Pools(two).walk(1)
     walk.advance(np.array([2 + 5 + 5 + 1]))  # past the first request's last row
     assert walk.context() == pytest.approx(1100.0)  # the second request, from its start
+
+
+def test_another_start_walks_other_requests_at_other_stages():
+    """Start 0 is the walk as it always was (slot i of 4 on request 0 of the one-request trace, i/4 of the way in);
+    another start moves every slot to another stage, and with several requests to the next request."""
+    pools = Pools(trace())  # no context recorded: one request of every row
+    first, other = pools.walk(4), pools.walk(4, start=1)
+    span = pools._ends[0] - pools._starts[0] + 1
+    assert first._position.tolist() == [i * span // 4 for i in range(4)]
+    assert other._position.tolist() != first._position.tolist()
+    two = from_rows(K, _phased_request(hard=2, easy=2) + [dict(s, ctx_len=[c + 1000 for c in s["ctx_len"]])
+                                                          for s in _phased_request(hard=2, easy=2)])
+    assert Pools(two).walk(1).context() == pytest.approx(100.0)
+    assert Pools(two).walk(1, start=1).context() >= 1000.0  # the second request
+
+
+def test_cells_from_several_starts_pool_their_sums_and_keep_each_rate():
+    cost, pools = linear_cost(), Pools(trace())
+    cells = [run_cell(FixedWidth(2), 4, pools, cost, steps=20, warmup=5, start=s) for s in range(3)]
+    assert len({c.tokens for c in cells}) > 1  # the starts met other drafts
+    one = pooled(cells)
+    assert one.steps == 60 and one.tokens == sum(c.tokens for c in cells) and one.ms == sum(c.ms for c in cells)
+    assert one.widths == {2: 60} and one.drafted == sum(c.drafted for c in cells)
+    assert one.extra["by_start"] == [round(c.tokens_per_s, 3) for c in cells]
+    assert min(one.extra["by_start"]) <= one.tokens_per_s <= max(one.extra["by_start"])

@@ -13,6 +13,7 @@ from dcut.cli import main
     (["replay", "--trace", "nowhere.npz"], "--trace and --costs go together"),
     (["replay", "--trace", "nowhere.npz", "--costs", "nowhere.json"], "nowhere"),
     (["replay", "--steps", "0"], "--steps"),
+    (["replay", "--starts", "0"], "--starts"),
     (["replay", "--context", "500"], "--context"),
     (["replay", "--drift", "1.5"], "--drift takes FACTOR:STEPS"),
     (["replay", "--drift", "0:100"], "--drift takes FACTOR:STEPS"),
@@ -33,11 +34,19 @@ def test_bad_input_is_refused(argv, message, capsys):
 def test_a_custom_case_replays_and_writes_the_report(tmp_path, capsys):
     data = "tests/data/replay"
     assert main(["replay", "--trace", f"{data}/deep-small.npz", "--costs", f"{data}/deep-small-costs.json",
-                 "--bs", "4", "--steps", "10", "--warmup", "2", "--out", str(tmp_path), "--json"]) == 0
+                 "--bs", "4", "--steps", "10", "--warmup", "2", "--starts", "3", "--out", str(tmp_path),
+                 "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    rows = report["cases"]["deep-small"]["rows"]
-    assert {r["policy"] for r in rows} >= {"none", "joint", "oracle", "dynamic", "vllm-adaptive"}
-    assert (tmp_path / "replay.md").exists() and (tmp_path / "deep-small.png").exists()
+    rows = {r["policy"]: r for r in report["cases"]["deep-small"]["rows"]}
+    assert set(rows) >= {"none", "joint", "oracle", "dynamic", "vllm-adaptive"}
+    assert report["starts"] == 3 and all(len(r["by_start"]) == 3 and sum(r["widths"].values()) == 30
+        for r in rows.values())
+    assert len(rows["joint"]["converged_at_step"]) == 3
+    k = rows["dynamic"]["k"]  # the best fixed width, each start's rate its own
+    assert rows["dynamic"]["by_start"] == rows[f"fixed-{k}" if k else "none"]["by_start"]
+    md = (tmp_path / "replay.md").read_text()
+    assert "from each of 3 starts" in md and "joint / best baseline (per start)" in md
+    assert (tmp_path / "deep-small.png").exists()
 
 
 def test_a_drifting_case_is_slower_and_says_so(tmp_path, capsys):

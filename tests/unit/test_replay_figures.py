@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcut.replay.cases import custom_case
-from dcut.replay.report import replay_case, summarize
+from dcut.replay.report import STARTS, replay_case, summarize
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "replay"
 
@@ -45,4 +45,13 @@ def test_the_oracle_bounds_every_policy_and_plain_decoding_is_the_unit(replayed)
     for row in replayed["rows"]:
         assert row["fraction_of_oracle"] <= 1.0 + 1e-9, row["policy"]
         if row["policy"] == "none":
-            assert row["speedup_vs_none"] == 1.0 and row["widths"] == {"0": 80}
+            assert row["speedup_vs_none"] == 1.0 and row["widths"] == {"0": 80 * STARTS}
+
+
+def test_the_oracle_bounds_every_policy_from_every_start(replayed):
+    """Pooled, a policy could pass the oracle from one start and trail it from another: each start is bounded."""
+    oracle = {r["bs"]: r["by_start"] for r in replayed["rows"] if r["policy"] == "oracle"}
+    for row in replayed["rows"]:
+        assert len(row["by_start"]) == STARTS
+        assert all(mine <= best * (1 + 1e-9) for mine, best in zip(row["by_start"], oracle[row["bs"]], strict=True)), \
+            (row["policy"], row["bs"])

@@ -273,6 +273,27 @@ def test_what_probes_delivered_keeps_a_width_a_candidate_but_never_measures_it()
     assert rates.apply(1, model) == model and rates.fresh(1, 15) == 0.0
 
 
+def test_what_uneven_probes_delivered_is_a_bound_that_widens_as_it_ages() -> None:
+    """Probes that delivered 1 token, 1 token, 1 token and 13 (a request's hard start, then an easy stretch) say
+    little of what the width is worth: its optimistic rate is their rate raised by ``z`` spreads over the square root
+    of the probes, and raised further as the bucket's cycles at the held width age them (half-life), up to ``z``
+    spreads. Otherwise a width probed in a hard stretch is never tried again while the held width is 0 (replayed
+    on the MoE pair at bs 1: 0.59x the best baseline from one start of five)."""
+    rates = RealizedRates(min_samples=3, min_requests=32, half_life=10.0)
+    model = [WidthChoice(0, 0, 1.0, 1.0), WidthChoice(15, 15, 1.0, 4.0)]
+    for tokens in (1.0, 1.0, 1.0, 13.0):
+        rates.add_probe(1, 15, tokens=tokens, ms=4.0, predicted_ms=4.0)
+    rate, spread = 1000.0 * 16.0 / 16.0, 27.0 ** 0.5 / 4.0  # mean 4 tokens, standard deviation sqrt(27)
+    assert rates.optimistic(1, model, z=1.5)[1] == pytest.approx(rate * (1.0 + 1.5 * spread / 2.0))
+    for _ in range(20):  # two half-lives at width 0: the four probes weigh as one
+        rates.add(1, 0, tokens=1.0, ms=1.0, predicted_tokens=1.0, predicted_ms=1.0)
+    assert rates.optimistic(1, model, z=1.5)[1] == pytest.approx(rate * (1.0 + 1.5 * spread))
+    even = RealizedRates(min_samples=3, min_requests=32)
+    for _ in range(4):
+        even.add_probe(1, 15, tokens=4.0, ms=4.0, predicted_ms=4.0)
+    assert even.optimistic(1, model)[1] == pytest.approx(rate)  # alike probes: their rate, as certain as it gets
+
+
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
     """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
     realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
