@@ -10,7 +10,12 @@ from dcut.learned import RealizedCell
 from dcut.width.acceptance import OPTIMISM
 from dcut.width.choice import WidthChoice
 
-SHRINK_REQUESTS = 256  # requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled
+# Requests at which a width's own realized/predicted tokens ratio weighs as much as the pooled one. Replayed over five
+# starts (deep-cpu, deep-h20, moe-cpu; 2026-12-06) 16, 32 and 64 are level (geometric mean of `joint` / best baseline
+# 1.050-1.051) and 128 and 256 below (1.045 each): at 256 a width's own record, 50 cycles at bs 1 or 15 at bs 8, was
+# outweighed by the other widths' and a few percent between widths went unseen (live at bs 8, width 3 realized 4 %
+# above the held width 7, predicted level).
+SHRINK_REQUESTS = 64
 STALL = 3.0  # a cycle is counted at most this many times its predicted time (longer: a stall, not the width's cost)
 # The machine changed speed: this many cycles in a row of one width, each over (or each under) its mean time over
 # predicted by more than ``shift`` (``DCutSettings.speed_shift``). Not one stall (capped above), nor a few: a run no
