@@ -34,8 +34,8 @@ from dcut.trace import Trace
 STEPS = 400
 WARMUP = 100
 # Each cell is replayed from this many starts (``Pools.walk``) and pooled: from one start, where a policy's
-# choice happens to settle decides a few percent (deep-cpu at bs 16: `joint` 4 % behind width 3 alone from the
-# first start, level with it over five), and a verdict on one path is a verdict on that path.
+# choice happens to settle decides a few percent (deep-cpu at bs 16: `joint` 4 % behind itself pinned to width 3 from
+# the first start, 1.4 % over five), and a verdict on one path is a verdict on that path.
 STARTS = 5
 REFERENCE = DCutSettings(mode="reference", count_bonus=False, calibrate=False)  # the reference implementation's U
 PRODUCT = DCutSettings(mode="joint")  # what app.config.yaml ships
