@@ -229,9 +229,16 @@ class RealizedRates:
     def fresh(self, bucket: int, width: int) -> float:
         """Cycles of ``width`` in ``bucket``, discounted by the cycles recorded since the last one."""
         cell = self._cells.get((bucket, width))
-        if cell is None:
-            return 0.0
-        return cell.n * 0.5 ** ((self._ticks.get(bucket, 0) - cell.last) / self.half_life)
+        return 0.0 if cell is None else self._faded(bucket, cell.n, cell.last)
+
+    def _faded(self, bucket: int, n: float, last: int) -> float:
+        """``n`` observations taken at the bucket's tick ``last``, discounted by the cycles recorded since."""
+        return n * 0.5 ** ((self._ticks.get(bucket, 0) - last) / self.half_life)
+
+    @staticmethod
+    def _raised(rate: float, spread: float, fresh: float, z: float) -> float:
+        """``rate`` raised by ``z`` relative ``spread``s over the square root of its fresh observations (at least 1)."""
+        return rate * (1.0 + z * spread / max(fresh, 1.0) ** 0.5)
 
     def noise(self, bucket: int, width: int) -> float:
         """The relative standard error of a width's estimate: the spread of its cycles' predicted rates over
@@ -261,17 +268,16 @@ class RealizedRates:
         for c, m in zip(model, measured, strict=True):
             cell = None if c is None else self._cells.get((bucket, c.width))
             if m is not None and cell is not None and self._measured(bucket, cell) and cell.rate > 0:
-                spread = cell.rate_var ** 0.5 / cell.rate
-                out.append(m.tokens_per_s * (1.0 + z * spread / max(self.fresh(bucket, c.width), 1.0) ** 0.5))
+                out.append(self._raised(m.tokens_per_s, cell.rate_var ** 0.5 / cell.rate,
+                                        self._faded(bucket, cell.n, cell.last), z))
             elif c is not None:
                 seen = [c.tokens_per_s]
                 if cell is not None and cell.ms > 0:
                     seen.append(1000.0 * cell.tokens / cell.ms)
                 probes = self._probes.get((bucket, c.width))
                 if probes is not None and probes.ms > 0:
-                    fresh = probes.n * 0.5 ** ((self._ticks.get(bucket, 0) - probes.last) / self.half_life)
-                    bound = z * probes.spread() / max(fresh, 1.0) ** 0.5
-                    seen.append(1000.0 * probes.tokens / probes.ms * (1.0 + bound))
+                    seen.append(self._raised(1000.0 * probes.tokens / probes.ms, probes.spread(),
+                                             self._faded(bucket, probes.n, probes.last), z))
                 out.append(max(seen))
             else:
                 out.append(None)
