@@ -47,6 +47,8 @@ class RealizedCell(BaseModel):
     rate: float
     rate_var: float
     n: int
+    ratio_var: float = 0.0  # of a cycle's realized over predicted tokens (0: a state saved before it was kept)
+    time_var: float = 0.0  # of a cycle's time over predicted
 
 
 class LearnedState(BaseModel):
@@ -102,15 +104,22 @@ def _sum_calibration(states: Sequence[CalibrationState]) -> CalibrationState:
 
 
 def _merge_cells(cells: Sequence[RealizedCell]) -> RealizedCell:
-    """Means weighted by cycles; the spread of rates pooled (within-replica variance plus between)."""
+    """Means weighted by cycles; the spreads pooled (within-replica variance plus between)."""
     n = np.asarray([c.n for c in cells], dtype=np.float64)
     w = n / max(n.sum(), 1e-12)
 
     def mean(field: str) -> float:
         return float(sum(wi * getattr(c, field) for wi, c in zip(w, cells, strict=True)))
 
-    rate = mean("rate")
-    var = float(sum(wi * (c.rate_var + (c.rate - rate) ** 2) for wi, c in zip(w, cells, strict=True)))
+    def pooled(means: Sequence[float], variances: Sequence[float]) -> float:
+        m = float(np.dot(w, means))
+        return float(sum(wi * (v + (x - m) ** 2) for wi, x, v in zip(w, means, variances, strict=True)))
+
+    def ratio(num: str, den: str) -> list[float]:
+        return [getattr(c, num) / getattr(c, den) if getattr(c, den) > 0 else 0.0 for c in cells]
+
     return RealizedCell(bucket=cells[0].bucket, width=cells[0].width, tokens=mean("tokens"), ms=mean("ms"),
-                        predicted_tokens=mean("predicted_tokens"), predicted_ms=mean("predicted_ms"), rate=rate,
-                        rate_var=var, n=int(n.sum()))
+                        predicted_tokens=mean("predicted_tokens"), predicted_ms=mean("predicted_ms"), rate=mean("rate"),
+                        rate_var=pooled([c.rate for c in cells], [c.rate_var for c in cells]), n=int(n.sum()),
+                        ratio_var=pooled(ratio("tokens", "predicted_tokens"), [c.ratio_var for c in cells]),
+                        time_var=pooled(ratio("ms", "predicted_ms"), [c.time_var for c in cells]))

@@ -225,8 +225,8 @@ class RunnerDCut(RunnerKnowledge):
             return self.width
 
         fresh = functools.partial(self.realized.fresh, bucket)  # fresh cycles measured at a width, of bucket requests
-        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, fresh, bucket, decision.step_ms.get,
-                                     decision.estimates, self.settings.width_hysteresis)
+        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, decision.step_ms.get,
+                                     self.settings.width_hysteresis)
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width
@@ -266,7 +266,6 @@ class RunnerDCut(RunnerKnowledge):
         hopeful = utilities_at(bs, self.widths, self.width_stats.survival(OPTIMISM), costs, self.overhead.ms)
         zero = next((c for c in estimates if c is not None and c.width == 0 and c.step_ms > 0), None)
         return Decided(self._choices, bucket, chosen, self.realized.optimistic(bucket, hopeful),
-                       [None if c is None else c.tokens_per_s for c in estimates],
                        {c.width: c.step_ms for c in hopeful if c is not None}, zero)
 
     def held_width(self, bs: int) -> int | None:

@@ -46,6 +46,10 @@ class _Cell:
     pure_ms: float = 0.0
     pure_predicted_ms: float = 0.0
     pure_n: int = 0
+    # The spreads of a cycle's realized over predicted tokens and of its time over predicted, about their means:
+    # with ``rate_var``, what the width's estimate is uncertain by (``_spread``).
+    ratio_var: float = 0.0
+    time_var: float = 0.0
 
 
 @dataclass
@@ -65,6 +69,16 @@ class _Probes:
             return 0.0
         mean = self.tokens / self.n
         return max(self.squares / self.n - mean * mean, 0.0) ** 0.5 / mean
+
+
+def _moved(var: float, w: float, delta: float) -> float:
+    """An exponentially weighted variance after one more value ``delta`` off the mean (weight ``w``)."""
+    return (1.0 - w) * (var + w * delta * delta)
+
+
+def _relative(var: float, mean: float) -> float:
+    """A relative standard deviation (0 where the mean is not positive)."""
+    return var ** 0.5 / mean if mean > 0 else 0.0
 
 
 class RealizedRates:
@@ -120,13 +134,17 @@ class RealizedRates:
                 c.pure_predicted_ms += p * (predicted_ms - c.pure_predicted_ms)
                 c.pure_n += 1
             w = max(self.weight, 1.0 / (c.n + 1))
+            if c.n:
+                c.ratio_var = _moved(c.ratio_var, w, tokens / predicted_tokens - c.tokens / c.predicted_tokens
+                                     if predicted_tokens > 0 and c.predicted_tokens > 0 else 0.0)
+                c.time_var = _moved(c.time_var, w, ms / predicted_ms - c.ms / c.predicted_ms)
             c.tokens += w * (tokens - c.tokens)
             c.ms += w * (ms - c.ms)
             c.charged -= w * c.charged
             c.predicted_tokens += w * (predicted_tokens - c.predicted_tokens)
             c.predicted_ms += w * (predicted_ms - c.predicted_ms)
-            delta = rate - c.rate
-            c.rate, c.rate_var = c.rate + w * delta, (1.0 - w) * (c.rate_var + w * delta * delta)
+            c.rate_var = _moved(c.rate_var, w, rate - c.rate)
+            c.rate += w * (rate - c.rate)
             c.n += 1
         c.last = tick
         pool = self._pooled.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
@@ -240,6 +258,18 @@ class RealizedRates:
         """``rate`` raised by ``z`` relative ``spread``s over the square root of its fresh observations (at least 1)."""
         return rate * (1.0 + z * spread / max(fresh, 1.0) ** 0.5)
 
+    def _spread(self, bucket: int, cell: _Cell) -> float:
+        """The relative spread, per cycle, of what a measured width's estimate rests on: the rate its drafts
+        promised, its realized/predicted tokens ratio (at the weight it has against the pooled one, ``apply``) and
+        its time. The promised rate's alone made the bound too narrow to be worth testing: it follows the
+        confidences, which swing far less than what a step accepts or what it takes on a shared machine."""
+        own = min(cell.n, 1.0 / self.weight) * bucket
+        weight = own / (own + SHRINK_REQUESTS)
+        ratio = cell.tokens / cell.predicted_tokens if cell.predicted_tokens > 0 else 0.0
+        time = cell.ms / cell.predicted_ms
+        return (cell.rate_var / cell.rate ** 2 + (weight * _relative(cell.ratio_var, ratio)) ** 2
+                + _relative(cell.time_var, time) ** 2) ** 0.5
+
     def noise(self, bucket: int, width: int) -> float:
         """The relative standard error of a width's estimate: the spread of its cycles' predicted rates over
         the square root of the cycles averaged (at most ``1/weight``); 0 for an unmeasured width."""
@@ -268,7 +298,7 @@ class RealizedRates:
         for c, m in zip(model, measured, strict=True):
             cell = None if c is None else self._cells.get((bucket, c.width))
             if m is not None and cell is not None and self._measured(bucket, cell) and cell.rate > 0:
-                out.append(self._raised(m.tokens_per_s, cell.rate_var ** 0.5 / cell.rate,
+                out.append(self._raised(m.tokens_per_s, self._spread(bucket, cell),
                                         self._faded(bucket, cell.n, cell.last), z))
             elif c is not None:
                 seen = [c.tokens_per_s]
@@ -286,7 +316,8 @@ class RealizedRates:
     def cells(self) -> list[RealizedCell]:
         """Every (bucket, width)'s measurement, for ``dcut.learned``."""
         return [RealizedCell(bucket=b, width=w, tokens=c.tokens, ms=c.ms, predicted_tokens=c.predicted_tokens,
-                             predicted_ms=c.predicted_ms, rate=c.rate, rate_var=c.rate_var, n=c.n)
+                             predicted_ms=c.predicted_ms, rate=c.rate, rate_var=c.rate_var, n=c.n,
+                             ratio_var=c.ratio_var, time_var=c.time_var)
                 for (b, w), c in sorted(self._cells.items())]
 
     def load(self, cells: Sequence[RealizedCell]) -> None:
@@ -295,7 +326,8 @@ class RealizedRates:
         for c in cells:
             self._cells[(c.bucket, c.width)] = _Cell(c.tokens, c.ms, c.predicted_tokens, c.predicted_ms, c.rate,
                                                      c.rate_var, c.n, self._ticks.get(c.bucket, 0),
-                                                     pure_ms=c.ms, pure_predicted_ms=c.predicted_ms, pure_n=c.n)
+                                                     pure_ms=c.ms, pure_predicted_ms=c.predicted_ms, pure_n=c.n,
+                                                     ratio_var=c.ratio_var, time_var=c.time_var)
             pool = self._pooled.setdefault(c.bucket, [0.0, 0.0, 0.0, 0.0])
             for i, value in enumerate((c.tokens, c.predicted_tokens, c.ms, c.predicted_ms)):
                 pool[i] += value * min(c.n, 1.0 / self.weight)

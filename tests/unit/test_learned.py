@@ -15,6 +15,7 @@ from dcut.replay.simulate import Pools, RunnerPolicy, SimClock, run_cell
 from dcut.settings import DCutSettings
 from dcut.snapshot import DCutSnapshot, Overhead, WindowSummary
 from dcut.vllm.state import CALIBRATE_REQUESTS
+from dcut.width import RealizedRates
 from deployments.controller import DCutController
 from deployments.records import EngineLoad, ReplicaReport
 from deployments.settings import AutoscalingSettings, ControllerSettings
@@ -98,6 +99,20 @@ def test_merge_adds_counts_and_weighs_means_by_them():
     assert cell.n == 4 and cell.rate == pytest.approx(2.5) and cell.rate_var == pytest.approx(0.75)
     with pytest.raises(ValueError, match="different"):
         merge([_state(1, 0.5, 1, 1, 1.0), _state(1, 0.5, 1, 1, 1.0).model_copy(update={"widths": [0, 3]})])
+
+
+def test_merge_pools_the_spreads_of_what_cycles_delivered_and_took():
+    """Two replicas whose width delivered 0.5 and 1.5 times its predicted tokens on steady cycles, and took 1.0 and
+    1.2 times its predicted time: merged, the spreads are the replicas' differences (the bound a new replica puts on
+    the width is as wide as the fleet's)."""
+    a, b = _state(10, 0.9, 30, 2, 2.0), _state(10, 0.9, 30, 2, 2.0)
+    a.realized[0] = a.realized[0].model_copy(update={"tokens": 4.0, "ratio_var": 0.01})
+    b.realized[0] = b.realized[0].model_copy(update={"tokens": 12.0, "ms": 4.8, "time_var": 0.02})
+    (cell,) = merge([a, b]).realized
+    assert cell.ratio_var == pytest.approx(0.005 + 0.25) and cell.time_var == pytest.approx(0.01 + 0.01)
+    rates = RealizedRates()
+    rates.load([cell])
+    assert rates.cells()[0].ratio_var == pytest.approx(cell.ratio_var)  # kept as loaded, handed on as kept
 
 
 def test_the_controller_hands_a_starting_replica_what_the_fleet_learned():

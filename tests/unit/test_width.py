@@ -22,7 +22,7 @@ from dcut.width import (
     width_utilities,
     widths_for,
 )
-from dcut.width.realized import SHIFT_RUN
+from dcut.width.realized import SHIFT_RUN, SHRINK_REQUESTS
 
 
 def test_default_widths_include_zero_and_k() -> None:
@@ -186,53 +186,38 @@ def test_marginal_gains_price_the_global_top_k() -> None:
     assert stacked.shape == (2, 3) and torch.allclose(stacked, g.expand(2, 3))
 
 
-def test_the_explorer_tries_only_widths_that_might_win_and_stops_once_measured() -> None:
-    explorer = Explorer(share=0.5, requests=8)
+def test_the_explorer_tries_only_widths_whose_bound_beats_the_choice_until_it_no_longer_does() -> None:
+    explorer = Explorer(share=0.5)
     chosen = WidthChoice(3, 3, 40.0, 10.0)  # 4000 tokens/s
-    widths, optimistic = [0, 3, 7, 15], [1000.0, 4000.0, 5000.0, 3900.0]
-    measured = {7: 0.0}
+    widths = [0, 3, 7, 15]
+    bound = {0: 1000.0, 7: 5000.0, 15: 3900.0}
     picks = []
     for _ in range(40):
-        w = explorer.pick(chosen, widths, optimistic, lambda w: measured.get(w, 0.0), 1, lambda w: 10.0)
+        w = explorer.pick(chosen, widths, [bound.get(w, 4000.0) for w in widths], lambda w: 10.0)
         picks.append(w)
         if w is not None:
-            measured[w] = measured.get(w, 0.0) + 1
+            bound[w] -= 125.0  # each cycle tightens its bound
     tried = [w for w in picks if w is not None]
     assert set(tried) == {7} and len(tried) == 8  # 15 cannot beat width 3 even at its best; 0 neither
     assert picks[-1] is None and sum(w is not None for w in picks[:16]) == 8  # half the steps while exploring
 
 
-def test_at_a_large_batch_a_width_is_explored_for_cycles_not_only_requests() -> None:
-    """At bs 64 one cycle is 64 requests, but one measurement of a step's time: a width that might win is tried
-    until it has ``cycles`` cycles (live, width 0's few cycles at bs 64 were never added to)."""
-    explorer = Explorer(share=1.0, requests=32, cycles=8)
-    chosen = WidthChoice(7, 7, 64.0, 30.0)
-    measured = {0: 0.0}
-    for _ in range(20):
-        w = explorer.pick(chosen, [0, 7], [2500.0, 2100.0], lambda w: measured[w], 64, lambda w: 25.0)
-        if w is not None:
-            measured[w] += 1
-    assert measured[0] == 8
-
-
-def test_an_open_contest_is_explored_until_it_resolves_and_a_width_that_could_not_be_chosen_never_is() -> None:
-    """A measured width whose point estimate beats the chosen one (not by enough for the choice to move) is tried
-    again; one whose optimistic bound does not clear the hysteresis is never tried, measured or not."""
-    explorer = Explorer(share=1.0, requests=32, cycles=8)
+def test_a_measured_width_behind_the_choice_is_tried_while_its_bound_clears_the_hysteresis() -> None:
+    """Measured or not, behind the choice or not: the bound decides. Live at bs 8 a width measured 5 % behind
+    the held one on 10 cycles was never tried again (it was ahead over the run)."""
+    explorer = Explorer(share=1.0)
     chosen = WidthChoice(11, 11, 40.0, 40.0)  # 1000 tokens/s
-    widths = [3, 5, 11, 15]
-    optimistic, points = [1200.0, 1015.0, 1000.0, 1100.0], [1100.0, 1010.0, 1000.0, 950.0]
-    cycles = {3: 20.0, 5: 0.0, 15: 20.0}
-    picks = {explorer.pick(chosen, widths, optimistic, cycles.get, 16, lambda w: 40.0, points, 0.02) for _ in range(5)}
-    assert picks == {3}  # 15 is measured and behind; 5's bound (1.5 %) is inside the 2 % hysteresis
-    before = [explorer.pick(chosen, widths, optimistic, cycles.get, 16, lambda w: 40.0) for _ in range(5)]
-    assert set(before) == {5}  # without point estimates or margin: only the unmeasured width, however close
+    widths, optimistic = [3, 5, 11, 15], [1060.0, 1015.0, 1000.0, 990.0]
+    picks = {explorer.pick(chosen, widths, optimistic, lambda w: 40.0, 0.02) for _ in range(5)}
+    assert picks == {3}  # 5's bound (1.5 %) is inside the 2 % hysteresis; 15's is below the choice
+    assert {explorer.pick(chosen, widths, optimistic, lambda w: 40.0) for _ in range(5)} == {3}  # the best bound first
+    assert explorer.pick(chosen, widths, [1010.0, 1015.0, 1000.0, 990.0], lambda w: 40.0, 0.02) is None
 
 
 def test_a_dear_width_waits_for_its_credit() -> None:
-    explorer = Explorer(share=0.2, requests=100)
+    explorer = Explorer(share=0.2)
     chosen = WidthChoice(0, 0, 10.0, 10.0)
-    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 0.0, 1, lambda w: 50.0) for _ in range(50)]
+    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 50.0) for _ in range(50)]
     assert sum(p is not None for p in picks) == 2  # each try costs 5 chosen steps: 20% of the time
 
 
@@ -292,6 +277,26 @@ def test_what_uneven_probes_delivered_is_a_bound_that_widens_as_it_ages() -> Non
     for _ in range(4):
         even.add_probe(1, 15, tokens=4.0, ms=4.0, predicted_ms=4.0)
     assert even.optimistic(1, model)[1] == pytest.approx(rate)  # alike probes: their rate, as certain as it gets
+
+
+def test_a_measured_widths_bound_is_as_wide_as_what_its_cycles_delivered_and_took_swings() -> None:
+    """Two widths with the same means at bs 8: one whose cycles delivered and took just what was predicted, one
+    whose cycles delivered half or one and a half times it and took 0.8 or 1.2 times it. The first's bound is its
+    estimate; the second's is raised by ``z`` of its combined spread (the tokens ratio at its weight against the
+    pooled one: 320 requests against ``SHRINK_REQUESTS``) over the square root of its cycles."""
+    steady, swinging = RealizedRates(), RealizedRates()
+    for i in range(40):
+        steady.add(8, 7, tokens=20.0, ms=10.0, predicted_tokens=20.0, predicted_ms=10.0)
+        swinging.add(8, 7, tokens=(10.0, 30.0)[i % 2], ms=(8.0, 12.0)[i % 2], predicted_tokens=20.0,
+                     predicted_ms=10.0)
+    model = [WidthChoice(7, 7, 20.0, 10.0)]
+    assert steady.apply(8, model)[0].tokens_per_s == pytest.approx(2000.0)
+    point = swinging.apply(8, model)[0].tokens_per_s
+    assert point == pytest.approx(2000.0, rel=0.01)  # (the pooled ratio weighs recent cycles most)
+    assert steady.optimistic(8, model, z=1.5)[0] == pytest.approx(2000.0)
+    weight = 320.0 / (320.0 + SHRINK_REQUESTS)
+    spread = ((weight * 0.5) ** 2 + 0.2 ** 2) ** 0.5
+    assert swinging.optimistic(8, model, z=1.5)[0] == pytest.approx(point * (1.0 + 1.5 * spread / 40 ** 0.5))
 
 
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
