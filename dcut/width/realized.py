@@ -137,7 +137,7 @@ class RealizedRates:
             if c.n:
                 c.ratio_var = _moved(c.ratio_var, w, tokens / predicted_tokens - c.tokens / c.predicted_tokens
                                      if predicted_tokens > 0 and c.predicted_tokens > 0 else 0.0)
-                c.time_var = _moved(c.time_var, w, ms / predicted_ms - c.ms / c.predicted_ms)
+                c.time_var = _moved(c.time_var, w, ms / predicted_ms - (c.ms - c.charged) / c.predicted_ms)
             c.tokens += w * (tokens - c.tokens)
             c.ms += w * (ms - c.ms)
             c.charged -= w * c.charged
@@ -266,7 +266,7 @@ class RealizedRates:
         own = min(cell.n, 1.0 / self.weight) * bucket
         weight = own / (own + SHRINK_REQUESTS)
         ratio = cell.tokens / cell.predicted_tokens if cell.predicted_tokens > 0 else 0.0
-        time = cell.ms / cell.predicted_ms
+        time = (cell.ms - cell.charged) / cell.predicted_ms  # the cycles' own: a flush's charge is no spread
         return (cell.rate_var / cell.rate ** 2 + (weight * _relative(cell.ratio_var, ratio)) ** 2
                 + _relative(cell.time_var, time) ** 2) ** 0.5
 

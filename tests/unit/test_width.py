@@ -299,6 +299,19 @@ def test_a_measured_widths_bound_is_as_wide_as_what_its_cycles_delivered_and_too
     assert swinging.optimistic(8, model, z=1.5)[0] == pytest.approx(point * (1.0 + 1.5 * spread / 40 ** 0.5))
 
 
+def test_deferred_work_charged_to_steady_cycles_adds_nothing_to_their_spread() -> None:
+    """Width 0's cycles, each 10 ms as predicted, each charged 2 ms of the drafter's deferred writes: they cost 12 ms,
+    steadily. The charge is what they cost, not a swing in it, so the bound is the estimate."""
+    rates = RealizedRates()
+    for _ in range(40):
+        rates.add(8, 0, tokens=8.0, ms=10.0, predicted_tokens=8.0, predicted_ms=10.0)
+        rates.charge(8, 0, 2.0, cycles=1)
+    model = [WidthChoice(0, 0, 8.0, 10.0)]
+    (point,) = rates.apply(8, model)
+    assert point.step_ms == pytest.approx(12.0, rel=0.01)
+    assert rates.optimistic(8, model)[0] == pytest.approx(point.tokens_per_s)
+
+
 def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realized() -> None:
     """Two widths measured at different moments: their predictions compare them, and the bucket's pooled
     realized/predicted ratio corrects both (here the model promised twice the tokens it got)."""
