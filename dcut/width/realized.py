@@ -68,7 +68,7 @@ class _Probes:
         if self.n < 2 or self.tokens <= 0:
             return 0.0
         mean = self.tokens / self.n
-        return max(self.squares / self.n - mean * mean, 0.0) ** 0.5 / mean
+        return _relative(max(self.squares / self.n - mean * mean, 0.0), mean)
 
 
 def _moved(var: float, w: float, delta: float) -> float:
@@ -230,11 +230,15 @@ class RealizedRates:
             if c is not None and cell is not None and self._measured(bucket, cell):
                 # The width's own realized/predicted ratio, shrunk towards the pooled one by how few requests
                 # it rests on: at bs 64 a few cycles say what the width's drafts deliver; at bs 1 they do not.
-                own = min(cell.n, 1.0 / self.weight) * bucket
+                own = self._averaged(cell) * bucket
                 ratio = (own * cell.tokens / cell.predicted_tokens + SHRINK_REQUESTS * pooled) / (own + SHRINK_REQUESTS)
                 c = WidthChoice(c.width, c.depth, cell.predicted_tokens * ratio, cell.ms)
             out.append(c)
         return out
+
+    def _averaged(self, cell: _Cell) -> float:
+        """The cycles a cell's means rest on: all of them while a running mean, about ``1/weight`` once an EMA."""
+        return min(cell.n, 1.0 / self.weight)
 
     def _measured(self, bucket: int, cell: _Cell) -> bool:
         """Enough cycles, over enough requests (a bucket's batch size each), to stand for the width."""
@@ -263,7 +267,7 @@ class RealizedRates:
         promised, its realized/predicted tokens ratio (at the weight it has against the pooled one, ``apply``) and
         its time. The promised rate's alone made the bound too narrow to be worth testing: it follows the
         confidences, which swing far less than what a step accepts or what it takes on a shared machine."""
-        own = min(cell.n, 1.0 / self.weight) * bucket
+        own = self._averaged(cell) * bucket  # requests, as ``apply`` weighs the width's own ratio
         weight = own / (own + SHRINK_REQUESTS)
         ratio = cell.tokens / cell.predicted_tokens if cell.predicted_tokens > 0 else 0.0
         time = (cell.ms - cell.charged) / cell.predicted_ms  # the cycles' own: a flush's charge is no spread
@@ -276,14 +280,15 @@ class RealizedRates:
         cell = self._cells.get((bucket, width))
         if cell is None or not self._measured(bucket, cell) or cell.rate <= 0:
             return 0.0
-        return cell.rate_var ** 0.5 / cell.rate / min(cell.n, 1.0 / self.weight) ** 0.5
+        return _relative(cell.rate_var, cell.rate) / self._averaged(cell) ** 0.5
 
     def optimistic(self, bucket: int, model: Sequence[WidthChoice | None], z: float = OPTIMISM
                    ) -> list[float | None]:
         """Each width's optimistic tokens/s: measured (``min_samples`` cycles or more), its estimate raised by
-        ``z`` spreads of a cycle's rate over the square root of its fresh cycles; else the best of ``model``'s
-        (an optimistic estimate), what its few cycles delivered and what its probes did (``add_probe``), raised
-        alike by ``z`` spreads of a probe's tokens over the square root of its fresh probes; None where none exists.
+        ``z`` of its spread per cycle (``_spread``) over the square root of its fresh cycles; else the best of
+        ``model``'s (an optimistic estimate), what its few cycles delivered and what its probes did
+        (``add_probe``), raised alike by ``z`` spreads of a probe's tokens over the square root of its fresh probes;
+        None where none exists.
 
         Why the few cycles count: a width the model prices low (confidences not calibrated yet) stopped being
         explored after a handful of cycles, before it was measured, whatever those cycles delivered (the MoE
