@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from dcut.learned import CalibrationState
 
@@ -57,26 +56,24 @@ class Calibrator:
             raise ValueError("a fallback calibrator needs as many bins and at least as many positions")
         self.k, self.bins, self.prior, self.min_count, self.fallback = k, bins, prior, min_count, fallback
         self.version = 0  # counts changed (a calibrator that falls back on this one rebuilds its table)
+        self.first_drafts = 0.0  # observations at position 0 (read every drafting step: kept, not summed)
         # Per (position, raw-confidence bin): observations, acceptances, sum of raw confidence.
-        self.count = torch.zeros(k, bins, dtype=torch.float64)
-        self.accepted = torch.zeros(k, bins, dtype=torch.float64)
-        self.raw_sum = torch.zeros(k, bins, dtype=torch.float64)
+        self.count = np.zeros((k, bins))
+        self.accepted = np.zeros((k, bins))
+        self.raw_sum = np.zeros((k, bins))
         # The same for the calibrated prediction made *before* each observation was counted
         # (binned by calibrated value): an honest, out-of-sample reliability measure.
-        self.cal_count = torch.zeros(k, bins, dtype=torch.float64)
-        self.cal_accepted = torch.zeros(k, bins, dtype=torch.float64)
-        self.cal_sum = torch.zeros(k, bins, dtype=torch.float64)
-        self._luts: dict[torch.device, tuple[int, Tensor, Tensor]] = {}  # per device: fallback version, a, b
-        self._cell_base: dict[tuple[int, torch.device], Tensor] = {}
-        self._held: list[tuple[Tensor, Tensor, Tensor]] = []  # outcomes ``observe`` has not counted yet
+        self.cal_count = np.zeros((k, bins))
+        self.cal_accepted = np.zeros((k, bins))
+        self.cal_sum = np.zeros((k, bins))
+        self._table: tuple[int, np.ndarray, np.ndarray] | None = None  # ``_lut``: fallback version, a, b
+        self._held: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # outcomes ``observe`` has not counted yet
 
-    def observe(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
-        """``update``, deferred until ``flush``: counting costs a few dozen small tensor operations whatever the
+    def observe(self, log_conf: np.ndarray, proposed_depths: np.ndarray, accepted: np.ndarray) -> None:
+        """``update``, deferred until ``flush``: counting costs a few dozen small array operations whatever the
         rows, so the engine counts a few steps' outcomes in one update (``dcut.vllm.state.ACCOUNT_STEPS``).
         Reading the counts (``state``, ``reliability``) counts what is held first."""
-        self._held.append((log_conf[:, : self.k].detach().to("cpu", torch.float64),
-                           proposed_depths.detach().to("cpu", torch.int64),
-                           accepted.detach().to("cpu", torch.int64)))
+        self._held.append((log_conf[:, : self.k], proposed_depths, accepted))
 
     def flush(self) -> None:
         """Count every held outcome (rows of narrower blocks padded with drafts of confidence 0, never
@@ -85,10 +82,14 @@ class Calibrator:
         if not held:
             return
         width = max(c.shape[1] for c, _, _ in held)
-        conf = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1]), value=-torch.inf) for c, _, _ in held])
-        self.update(conf, torch.cat([p for _, p, _ in held]), torch.cat([a for _, _, a in held]))
+        conf = np.full((sum(c.shape[0] for c, _, _ in held), width), -np.inf)
+        row = 0
+        for c, _, _ in held:
+            conf[row: row + c.shape[0], : c.shape[1]] = c
+            row += c.shape[0]
+        self.update(conf, np.concatenate([p for _, p, _ in held]), np.concatenate([a for _, _, a in held]))
 
-    def update(self, log_conf: Tensor, proposed_depths: Tensor, accepted: Tensor) -> None:
+    def update(self, log_conf: np.ndarray, proposed_depths: np.ndarray, accepted: np.ndarray) -> None:
         """Count one step's outcomes.
 
         ``log_conf`` ``[n, K]`` are the raw log-confidences of the drafts; request i verified its
@@ -96,39 +97,39 @@ class Calibrator:
         was reached (an observation) iff ``t <= accepted[i]`` and ``t < proposed_depths[i]``;
         it was accepted iff ``t < accepted[i]``.
         """
+        log_conf = np.asarray(log_conf, dtype=np.float64)[:, : self.k]
         if log_conf.shape[0] == 0:
             return
-        log_conf = log_conf[:, : self.k].detach().to("cpu", torch.float64)
         k = log_conf.shape[1]
-        proposed = proposed_depths.detach().to("cpu", torch.int64).clamp(0, k).unsqueeze(1)
-        acc = accepted.detach().to("cpu", torch.int64).unsqueeze(1)
-        positions = torch.arange(k).unsqueeze(0)
+        proposed = np.minimum(np.maximum(np.asarray(proposed_depths, dtype=np.int64), 0), k)[:, None]
+        acc = np.asarray(accepted, dtype=np.int64)[:, None]
+        positions = np.arange(k)
         observed = (positions <= acc) & (positions < proposed)
-        hit = (positions < acc).to(torch.float64)
+        hit = (positions < acc).astype(np.float64)
         raw = _prob(log_conf)
         # The prediction before counting this step (the out-of-sample reliability), from the table the step's
         # drafts were priced with: rebuilding the smoothed rates on the host cost more than the counting.
-        calibrated = self.calibrate(log_conf).exp().to(torch.float64)
+        calibrated = np.exp(self.calibrate(log_conf)).astype(np.float64)
         self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
         self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
-        self._luts.clear()
+        self._table = None
         self.version += 1
+        self.first_drafts = float(self.count[0].sum())
 
-    def calibrate(self, log_conf: Tensor) -> Tensor:
-        """Log of the calibrated acceptance probability, same shape and device as ``log_conf``.
+    def calibrate(self, log_conf: np.ndarray) -> np.ndarray:
+        """Log of the calibrated acceptance probability (float32, on the host), same shape as ``log_conf``.
 
-        Runs on ``log_conf``'s device without a host round trip: the smoothed bin rates are a
-        lookup table rebuilt (once per update, off the decide path) as ``cal = a[cell] + b[cell] * raw``.
-        Positions beyond the calibrator's ``k`` pass through unchanged.
+        The smoothed bin rates are a lookup table rebuilt (once per update, off the decide path) as
+        ``cal = a[cell] + b[cell] * raw``. Positions beyond the calibrator's ``k`` pass through unchanged.
         """
+        log_conf = np.asarray(log_conf, dtype=np.float32)
         k = min(self.k, log_conf.shape[-1])
-        a, b = self._lut(log_conf.device)
-        raw = _prob(log_conf[..., :k].float())
-        cell = self._cells(k, log_conf.device) + self._bin(raw)
-        calibrated = (torch.take(a, cell) + torch.take(b, cell) * raw).log().clamp_(max=0.0)
-        if k == log_conf.shape[-1]:
-            return calibrated
-        return torch.cat([calibrated, log_conf[..., k:].float()], dim=-1)
+        a, b = self._lut()
+        raw = _prob(log_conf[..., :k])  # (ufuncs, not np.clip / np.nan_to_num: dcut.selection.prefix_scores)
+        cell = np.arange(0, k * self.bins, self.bins) + np.minimum((raw * self.bins).astype(np.int64), self.bins - 1)
+        with np.errstate(divide="ignore"):  # a rate of 0: log -inf, a draft no budget keeps
+            calibrated = np.minimum(np.log(a[cell] + b[cell] * raw), 0.0)
+        return calibrated if k == log_conf.shape[-1] else np.concatenate([calibrated, log_conf[..., k:]], axis=-1)
 
     def state(self) -> CalibrationState:
         """The counts, for ``dcut.learned`` (a new replica starts from them)."""
@@ -138,14 +139,15 @@ class Calibrator:
     def load(self, state: CalibrationState) -> None:
         """Take over ``state``'s counts (same positions and bins)."""
         for f in CalibrationState.model_fields:
-            values = torch.tensor(getattr(state, f), dtype=torch.float64)
+            values = np.array(getattr(state, f), dtype=np.float64)
             if values.shape != getattr(self, f).shape:
                 raise ValueError(f"calibration state of shape {tuple(values.shape)}, "
                                  f"expected {tuple(self.count.shape)}")
             setattr(self, f, values)
         self._held = []
-        self._luts.clear()
+        self._table = None
         self.version += 1
+        self.first_drafts = float(self.count[0].sum())
 
     def reliability(self) -> dict[str, Any]:
         """Per-position expected calibration error of raw and of calibrated confidence.
@@ -155,16 +157,16 @@ class Calibrator:
         """
         self.flush()
         return {
-            "observations": self.count.sum(1).long().tolist(),
+            "observations": self.count.sum(1).astype(np.int64).tolist(),
             "ece_raw": _ece(self.count, self.accepted, self.raw_sum),
             "ece_calibrated": _ece(self.cal_count, self.cal_accepted, self.cal_sum),
             "acceptance_rate": _safe_div(self.accepted.sum(1), self.count.sum(1)),
         }
 
-    def _bin(self, prob: Tensor) -> Tensor:
-        return (prob * self.bins).long().clamp_(0, self.bins - 1)
+    def _bin(self, prob: np.ndarray) -> np.ndarray:
+        return np.minimum((prob * self.bins).astype(np.int64), self.bins - 1)  # (prob >= 0)
 
-    def _rows(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Observations, acceptances and summed raw confidence per (position, bin) to calibrate with. A position
         verified fewer than ``BORROW_BELOW`` times takes the fallback's counts there, if it has enough; one verified
         fewer than ``EARLIER_BELOW`` times, the counts of the deepest earlier position verified more (why: above).
@@ -176,7 +178,7 @@ class Calibrator:
         if self.fallback is not None:
             f_count, f_accepted, f_raw = (t[: self.k] for t in self.fallback._rows())
             use = ((n < BORROW_BELOW) & (f_count.sum(1) >= BORROW_BELOW))[:, None]
-            count, accepted, raw_sum = (torch.where(use, f, o) for f, o in
+            count, accepted, raw_sum = (np.where(use, f, o) for f, o in
                                         ((f_count, count), (f_accepted, accepted), (f_raw, raw_sum)))
             n = count.sum(1)
         source, last = list(range(self.k)), None
@@ -187,54 +189,49 @@ class Calibrator:
                 source[t] = last
         return count[source], accepted[source], raw_sum[source]
 
-    def _lut(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _lut(self) -> tuple[np.ndarray, np.ndarray]:
         """``(a, b)`` per (position, bin), flattened, with ``calibrated = a + b * raw``: both levels of smoothing
         are linear in raw (``tests/unit/test_calibration.py`` writes the formula out, and checks the table by it)."""
         version = -1 if self.fallback is None else self.fallback.version
-        found = self._luts.get(device)
+        found = self._table
         if found is None or found[0] != version:
             count, accepted, raw_sum = self._rows()
             scale = self._scales(count, accepted, raw_sum)[:, None]  # the centre: raw * scale
-            denom = (count + self.prior).clamp_min(1e-12)
+            denom = np.maximum(count + self.prior, 1e-12)
             used = count >= max(self.min_count, 1)
-            a = torch.where(used, accepted / denom, 0.0)
-            b = torch.where(used, self.prior * scale / denom, scale)
-            found = self._luts[device] = (version, a.reshape(-1).to(device, torch.float32),
-                                          b.reshape(-1).to(device, torch.float32))
+            a = np.where(used, accepted / denom, 0.0)
+            b = np.where(used, self.prior * scale / denom, scale)
+            found = self._table = (version, a.reshape(-1).astype(np.float32), b.reshape(-1).astype(np.float32))
         return found[1], found[2]
 
-    def _scales(self, count: Tensor, accepted: Tensor, raw_sum: Tensor) -> Tensor:
+    def _scales(self, count: np.ndarray, accepted: np.ndarray, raw_sum: np.ndarray) -> np.ndarray:
         """Per position, acceptances over summed raw confidence, shrunk towards 1 by ``prior`` observations of a
         raw confidence 1 (1 where the position has fewer than ``min_count`` observations)."""
         used = count.sum(1) >= max(self.min_count, 1)
-        return torch.where(used, (accepted.sum(1) + self.prior) / (raw_sum.sum(1) + self.prior).clamp_min(1e-12), 1.0)
+        return np.where(used, (accepted.sum(1) + self.prior) / np.maximum(raw_sum.sum(1) + self.prior, 1e-12), 1.0)
 
-    def _cells(self, k: int, device: torch.device) -> Tensor:
-        key = (k, device)
-        if key not in self._cell_base:
-            self._cell_base[key] = torch.arange(k, device=device) * self.bins
-        return self._cell_base[key]
-
-    def _count(self, count: Tensor, accepted: Tensor, conf_sum: Tensor, prob: Tensor,
-               observed: Tensor, hit: Tensor) -> None:
-        cell = (torch.arange(prob.shape[1]) * self.bins + self._bin(prob))[observed]
-        count.view(-1).scatter_add_(0, cell, torch.ones_like(cell, dtype=torch.float64))
-        accepted.view(-1).scatter_add_(0, cell, hit[observed])
-        conf_sum.view(-1).scatter_add_(0, cell, prob[observed])
+    def _count(self, count: np.ndarray, accepted: np.ndarray, conf_sum: np.ndarray, prob: np.ndarray,
+               observed: np.ndarray, hit: np.ndarray) -> None:
+        """Add the observed drafts to their (position, bin) cells (``bincount``: one pass, no Python loop)."""
+        cell = (np.arange(prob.shape[1]) * self.bins + self._bin(prob))[observed]
+        size = count.size
+        count += np.bincount(cell, minlength=size).reshape(count.shape)
+        accepted += np.bincount(cell, weights=hit[observed], minlength=size).reshape(count.shape)
+        conf_sum += np.bincount(cell, weights=prob[observed], minlength=size).reshape(count.shape)
 
 
-def _prob(log_conf: Tensor) -> Tensor:
-    """Probability in [0, 1]; NaN counts as 0."""
-    return log_conf.exp().nan_to_num(nan=0.0).clamp(0.0, 1.0)
+def _prob(log_conf: np.ndarray) -> np.ndarray:
+    """Probability in [0, 1]; NaN counts as 0 (``fmax`` drops a NaN)."""
+    return np.minimum(np.fmax(np.exp(log_conf), 0.0), 1.0)
 
 
-def _ece(count: Tensor, accepted: Tensor, conf_sum: Tensor) -> list[float | None]:
+def _ece(count: np.ndarray, accepted: np.ndarray, conf_sum: np.ndarray) -> list[float | None]:
     total = count.sum(1)
-    gap = (accepted - conf_sum).abs().sum(1)  # sum_b n_b * |rate_b - conf_b|
+    gap = np.abs(accepted - conf_sum).sum(1)  # sum_b n_b * |rate_b - conf_b|
     return _safe_div(gap, total)
 
 
-def _safe_div(num: Tensor, den: Tensor) -> list[float | None]:
+def _safe_div(num: np.ndarray, den: np.ndarray) -> list[float | None]:
     """Elementwise ratio as floats; None where the denominator is 0 (nothing observed)."""
     return [None if d == 0 else float(x / d) for x, d in zip(num.tolist(), den.tolist(), strict=True)]
 

@@ -58,7 +58,7 @@ class ContextCost:
         return None if step == 0.0 and slope == 0.0 else (step, slope)
 
     def apply(self, costs: Any, tokens: Any, cover: int, context: float | None) -> Any:
-        """``costs`` (numpy, torch or one float, ms) of steps verifying ``tokens`` at mean ``context``. Below the
+        """``costs`` (numpy or one float, ms) of steps verifying ``tokens`` at mean ``context``. Below the
         profiled context a step gets cheaper by at most half (there the line is extrapolated, not measured)."""
         terms = self.terms(cover, context)
         if terms is None:
@@ -67,9 +67,7 @@ class ContextCost:
         if terms[0] >= 0.0 and terms[1] >= 0.0:
             return shifted
         floor = 0.5 * costs
-        if isinstance(shifted, float):
-            return max(shifted, floor)
-        return shifted.maximum(floor) if hasattr(shifted, "maximum") else np.maximum(shifted, floor)
+        return max(shifted, floor) if isinstance(shifted, float) else np.maximum(shifted, floor)
 
     @classmethod
     def merge(cls, parts: Sequence[ContextCost | None]) -> ContextCost | None:

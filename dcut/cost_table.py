@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -25,10 +25,6 @@ import dcut
 from dcut.buckets import REFERENCE_RATIOS, bucket_budget
 from dcut.context_cost import ContextCost
 from dcut.machine import cpu_model
-
-if TYPE_CHECKING:  # tables are read by the Serve control plane too (controller, ingress), which loads no torch
-    import torch
-    from torch import Tensor
 
 PROFILE_RATIOS = (0.0, *REFERENCE_RATIOS)  # 0.0: a plain decode step, no drafts
 
@@ -110,7 +106,7 @@ class CostTable:
             if merged:
                 self.points[int(bs)] = sorted(merged.values())
         self._sizes = sorted(self.points)
-        self._dense: dict[tuple[int, torch.device], Tensor] = {}
+        self._dense: dict[int, np.ndarray] = {}  # per covering batch size: ``costs``' row
         # Each row's (tokens, ms) as arrays, for host lookups (the rows never change after this); and as lists, for
         # the single lookups a step makes (``lookup``: in pure Python, as numpy's per-call overhead is most of their
         # cost on the step's cold caches: in an engine, ``refine`` took 71 us a step through numpy).
@@ -145,13 +141,13 @@ class CostTable:
         return self.gains.get(cover, (0.0, 0))[0]
 
     def _corrected(self, cover: int, base: Any) -> Any:
-        """Profiled costs ``base`` (one float, numpy or torch) with the row's live correction (``gain``, ``offset``)."""
+        """Profiled costs ``base`` (one float or numpy) with the row's live correction (``gain``, ``offset``)."""
         gain = self.gain(cover)
         line = base * (1.0 + gain) - gain * self._lists[cover][1][0] if gain else base
         return line + self.offset(cover)
 
-    def costs(self, bs: int, verify_tokens: Tensor, context: float | None = None) -> Tensor | None:
-        """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``), on the tokens' device.
+    def costs(self, bs: int, verify_tokens: np.ndarray, context: float | None = None) -> np.ndarray | None:
+        """Vectorised ``lookup`` (implements ``dcut.selection.CostLookup``).
 
         Interpolates once per covering batch size onto every integer token count up to the last
         point, so a step's lookup is a single gather; the live correction (``refine``, every step) is
@@ -161,16 +157,12 @@ class CostTable:
         cover = self.covering(bs)
         if cover is None:
             return None
-        device = verify_tokens.device
-        dense = self._dense.get((cover, device))
-        if dense is None:  # once per batch size and device
-            import torch
-
+        dense = self._dense.get(cover)
+        if dense is None:  # once per batch size
             row = self.points[cover]
             grid = np.arange(row[-1][0] + 1)
-            values = np.interp(grid, [p[0] for p in row], [p[1] for p in row])
-            dense = self._dense[(cover, device)] = torch.tensor(values, dtype=torch.float32, device=device)
-        costs = self._corrected(cover, dense.take(verify_tokens.clamp(0, dense.shape[0] - 1)))  # the cheapest gather
+            dense = self._dense[cover] = np.interp(grid, [p[0] for p in row], [p[1] for p in row]).astype(np.float32)
+        costs = self._corrected(cover, dense[np.minimum(np.maximum(verify_tokens, 0), dense.shape[0] - 1)])
         delta = self.offset(cover, plain=True) - self.offset(cover)
         costs = costs + (verify_tokens <= bs) * delta if delta else costs
         return costs if self.context is None else self.context.apply(costs, verify_tokens, cover, context)
@@ -408,7 +400,7 @@ class StepCost:
     def __init__(self, table: CostTable, width: int, overhead_ms: float = 0.0, context: float | None = None) -> None:
         self.table, self.width, self.overhead_ms, self.context = table, width, overhead_ms, context
 
-    def costs(self, bs: int, verify_tokens: Tensor) -> Tensor | None:
+    def costs(self, bs: int, verify_tokens: np.ndarray) -> np.ndarray | None:
         verify = self.table.costs(bs, verify_tokens, self.context)
         if verify is None:
             return None

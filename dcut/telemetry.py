@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from dcut.settings import DCutSettings
 from dcut.snapshot import ThroughputEstimate
 
@@ -166,18 +168,17 @@ def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings
     Runs the real decision on a batch of ``b`` identical requests; returns E(b) and the number of
     drafts it keeps.
     """
-    import torch  # here, not at the top: a Serve replica reads capacity and demand without torch
-
-    from dcut.selection import select
+    from dcut.selection import select  # here, not at the top: a Serve replica reads capacity and demand without torch
 
     if b <= 0:
         return 0.0, 0
-    curve = torch.tensor(list(acceptance_curve), dtype=torch.float64).clamp(0.0, 1.0)
-    if curve.numel() == 0:
+    curve = np.clip(np.asarray(list(acceptance_curve), dtype=np.float64), 0.0, 1.0)
+    if curve.size == 0:
         return float(b), 0
-    log_curve = curve.log()
-    log_conf = torch.diff(log_curve, prepend=log_curve.new_zeros(1)).nan_to_num(nan=-math.inf)
-    _, decision = select(log_conf.float().expand(b, -1).contiguous(), settings, cost)
+    with np.errstate(divide="ignore", invalid="ignore"):  # an acceptance of 0: every later draft is worthless
+        log_curve = np.log(curve)
+        log_conf = np.nan_to_num(np.diff(log_curve, prepend=0.0), nan=-math.inf, neginf=-math.inf)
+    _, decision = select(np.tile(log_conf.astype(np.float32), (b, 1)), settings, cost)
     # expected_accepted includes the b bonus tokens only with count_bonus; E(b) counts them once.
     drafts = float(decision.expected_accepted) - (b if settings.count_bonus else 0)
     return b + drafts, int(decision.kept)
@@ -185,9 +186,7 @@ def expected_tokens_per_step(b: int, acceptance_curve: Sequence[float], settings
 
 def step_time(b: int, kept: int, cost: CostLookup, draft_ms: float = 0.0) -> float | None:
     """``T(b) = C_verify(b, b + kept) + C_draft(b)`` in ms; None beyond the cost table."""
-    import torch
-
-    costs = cost.costs(b, torch.tensor([b + kept]))
+    costs = cost.costs(b, np.array([b + kept]))
     return None if costs is None else float(costs[0]) + draft_ms
 
 

@@ -410,7 +410,7 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
         conf, accepted = pools.pool(w)
         c = Calibrator(w, prior=0.0)
         c.update(torch.from_numpy(conf), torch.full((len(accepted),), w), torch.from_numpy(accepted))
-        scored[w] = prefix_scores(c.calibrate(torch.from_numpy(conf))).numpy()
+        scored[w] = prefix_scores(c.calibrate(conf))
     widths = [0, *pools.widths]
 
     def options(walk: Walk) -> list[_Option]:

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from dcut.buckets import bucket_budget
 from dcut.selection import keep_depths_for_budget, prefix_scores
@@ -88,13 +87,13 @@ def budget_table(log_conf: np.ndarray, accepted: np.ndarray, bs: int = 32) -> di
     if batches == 0:
         raise ValueError(f"need at least {bs} requests, got {len(accepted)}")
     acc = accepted[:batches * bs].reshape(batches, bs)
-    scores = prefix_scores(torch.from_numpy(log_conf[:batches * bs].reshape(batches, bs, k)))
+    scores = prefix_scores(log_conf[:batches * bs].reshape(batches, bs, k))
     rows: dict[str, tuple[float, float]] = {}
     for ratio in (0.25, 0.5):
         budget = bucket_budget(ratio, bs, k)
         depth = budget // bs
         rows[f"fixed {depth + 1} per request"] = _row(acc, np.full_like(acc, depth))
-        kept = np.stack([keep_depths_for_budget(s, budget).numpy() for s in scores])
+        kept = np.stack([keep_depths_for_budget(s, budget) for s in scores])
         rows[f"confidence top {round(ratio * 100)}%"] = _row(acc, kept)
     rows["full"] = _row(acc, np.full_like(acc, k))
     return rows

@@ -8,7 +8,8 @@ engine step, as driven by the wrappers in ``dcut.vllm.step_hooks``:
    step is over (its time refines the verify cost); mode ``joint`` picks how many positions to
    draft from the two-part cost and the acceptance learned per width, or a probe width;
 3. ``on_drafted``   (after drafting) — the drafter's time refines the draft cost; score the fresh
-   drafts, choose keep depths on the device (no host sync), note what verification accepted;
+   drafts and choose keep depths on a host copy of their confidences (``dcut.selection``: why the host), note
+   what verification accepted;
 4. ``cut``          (``take_draft_token_ids``) — truncate each request's drafts before the
    scheduler sees them (so a pruned draft is never scheduled, verified or counted as rejected),
    record the step.
@@ -319,10 +320,10 @@ class RunnerDCut(RunnerKnowledge):
             self._finished_cycle = finished
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
-            accepted = ((sampled != -1).sum(dim=1) - 1).clamp(min=0).cpu()
+            accepted = np.maximum((sampled.cpu().numpy() != -1).sum(1) - 1, 0)
             counts = accepted.tolist()
-            self._verified = Verified(list(req_ids), torch.tensor(num_draft_tokens), accepted, self._last.width,
-                                      sum(counts))
+            self._verified = Verified(list(req_ids), np.array(num_draft_tokens, dtype=np.int64), accepted,
+                                      self._last.width, sum(counts))
             self.requests.accepted(req_ids, counts)
             if self.history is not None:
                 self._observe_history(req_ids, num_draft_tokens, counts, self._last)
@@ -336,19 +337,20 @@ class RunnerDCut(RunnerKnowledge):
             self._pending = None
             return
         start = self._clock()
+        # The decision is host work (dcut.selection: why): one copy of the drafter's confidences, which the cut
+        # reads on the host anyway (its keep depths, the raw confidences calibration counts).
+        raw = log_conf.detach().to("cpu", torch.float32).numpy()
         if self.probe or self.settings.mode == "full" or self.tracer is not None:
-            self._pending = Pending(None, None, log_conf, 0.0)
+            self._pending = Pending(None, None, raw, 0.0)
             if self.joint:  # every draft is verified: what the width's blocks are worth, and each request's
-                scored = self._calibrated(log_conf.shape[-1], log_conf)
+                scored = self._calibrated(raw.shape[-1], raw)
                 self._pending.expected, self._pending.block = marginal_gains(scored), prefix_scores(scored).sum(1)
             return
-        scored = self._calibrated(log_conf.shape[-1], log_conf)
+        scored = self._calibrated(raw.shape[-1], raw)
         if self._caps is not None:  # drafts beyond a request's cap are worth nothing to the budget
-            beyond = torch.arange(scored.shape[-1], device=scored.device) >= torch.tensor(
-                self._caps, device=scored.device)[:, None]
-            scored = scored.masked_fill(beyond, NEVER)
-        cost = None if self.cost_table is None else StepCost(self.cost_table, log_conf.shape[-1],
-                                                             float(self.overhead.ms(log_conf.shape[0])), self.context)
+            scored = np.where(np.arange(scored.shape[-1]) >= np.asarray(self._caps)[:, None], NEVER, scored)
+        cost = None if self.cost_table is None else StepCost(self.cost_table, raw.shape[-1],
+                                                             float(self.overhead.ms(raw.shape[0])), self.context)
         factors = None if self.history is None else self.history.factors(req_ids)
         ranked = scored if factors is None else _scaled(scored, factors)
         keep, decision = select(ranked, self.settings, cost)
@@ -360,8 +362,8 @@ class RunnerDCut(RunnerKnowledge):
                 per_request_gains(decision.gains, bs)
             # what calibration alone expects of each request's kept drafts (RequestHistory weighs the outcome)
             scores = decision.scores if factors is None and decision.scores is not None else prefix_scores(scored)
-            block = (scores * (torch.arange(scores.shape[-1], device=scores.device) < keep[:, None])).sum(1)
-        self._pending = Pending(keep, decision, log_conf, (self._clock() - start) * 1e6, gains, block)
+            block = (scores * (np.arange(scores.shape[-1]) < keep[:, None])).sum(1)
+        self._pending = Pending(keep, decision, raw, (self._clock() - start) * 1e6, gains, block)
 
     def _observe_history(self, req_ids: list[str], verified: list[int], accepted: list[int],
                          last: LastDrafts) -> None:
@@ -406,7 +408,7 @@ class RunnerDCut(RunnerKnowledge):
                 drafts = [d[:c] for d, c in zip(drafts, caps, strict=True)]
             self.requests.verified(req_ids, [len(d) for d in drafts])
         step_ms = (self._clock() - self._step_start) * 1000.0
-        raw = None if pending is None else pending.log_conf.cpu()
+        raw = None if pending is None else pending.log_conf
         self._record(pending, verified, step_ms, raw)
         block = None if pending is None or pending.block is None else pending.block.tolist()
         self._last = None if raw is None else LastDrafts({r: i for i, r in enumerate(req_ids)}, raw, raw.shape[-1],
@@ -414,13 +416,13 @@ class RunnerDCut(RunnerKnowledge):
         return drafts
 
     def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
-                raw: Tensor | None) -> None:
+                raw: np.ndarray | None) -> None:
         """Account for the step: now, only what the next step's clock reads (the tokens it emitted, for the engine's
         overhead); the rest is held for ``settle`` (``raw``: this step's raw log-confidences on the CPU)."""
         self.steps += 1
         bs = self._step_bs
         self._emitted = bs + (verified.accepted_total if verified is not None else 0)
-        proposed = int(pending.log_conf.numel()) if pending is not None else 0
+        proposed = pending.log_conf.size if pending is not None else 0
         decision = pending.decision if pending is not None else None
         record = StepRecord(  # kept, budget, ratio and the per-position counts: filled in by ``_count``
             timestamp=time.time(),
@@ -509,15 +511,14 @@ class RunnerDCut(RunnerKnowledge):
         verified = [h for h in held if h.verified is not None]
         if verified:
             outcomes = [h.verified for h in verified]
-            step = torch.repeat_interleave(torch.arange(len(outcomes)),
-                                           torch.tensor([len(v.req_ids) for v in outcomes]))
-            kept_at, reached_at, accepted_at = position_counts(torch.cat([v.num_draft for v in outcomes]),
-                                                               torch.cat([v.accepted for v in outcomes]), self.k,
+            step = np.repeat(np.arange(len(outcomes)), [len(v.req_ids) for v in outcomes])
+            kept_at, reached_at, accepted_at = position_counts(np.concatenate([v.num_draft for v in outcomes]),
+                                                               np.concatenate([v.accepted for v in outcomes]), self.k,
                                                                step, len(outcomes))
             for h, kept, accepted in zip(verified, kept_at.tolist(), accepted_at.tolist(), strict=True):
                 h.record.kept_per_position, h.record.accepted_per_position = kept, accepted
             if self.joint:
-                widths = torch.tensor([v.width for v in outcomes])
+                widths = np.array([v.width for v in outcomes])
                 for w in {v.width for v in outcomes}:
                     mine = widths == w
                     self.width_stats.observe(w, reached_at[mine].sum(0), accepted_at[mine].sum(0))
@@ -549,7 +550,7 @@ class RunnerDCut(RunnerKnowledge):
             drafts = int(decision.budget)
             tokens = float(decision.expected_accepted) + (0.0 if self.settings.count_bonus else bs)
         elif pending is not None and pending.expected is not None:  # a probe: every draft verified
-            drafts = int(pending.log_conf.numel())
+            drafts = pending.log_conf.size
             tokens = bs + bs * float(pending.expected.sum())  # the gains of keeping every draft
         else:  # width 0
             drafts, tokens = 0, float(bs)
@@ -559,7 +560,7 @@ class RunnerDCut(RunnerKnowledge):
             cycle.predicted_tokens = tokens
             cycle.predicted_ms = verify + draft + float(self.overhead.ms(tokens))
 
-    def _calibrated(self, width: int, log_conf: Tensor) -> Tensor:
+    def _calibrated(self, width: int, log_conf: np.ndarray) -> np.ndarray:
         """``log_conf`` of blocks drafted at ``width``, calibrated as a block of that width is now."""
         calibrator = self._calibrator(width)
         return log_conf if calibrator is None else calibrator.calibrate(log_conf)
@@ -567,7 +568,7 @@ class RunnerDCut(RunnerKnowledge):
     def _calibrator(self, width: int) -> Calibrator | None:
         """The width's own calibrator once it has seen ``POOLED_UNTIL`` first drafts, else the pooled one."""
         own = self.calibrators.get(width)
-        if own is None or self.pooled_calibrator is None or float(own.count[0].sum()) >= POOLED_UNTIL:
+        if own is None or self.pooled_calibrator is None or own.first_drafts >= POOLED_UNTIL:
             return own
         return self.pooled_calibrator
 
@@ -582,9 +583,8 @@ class RunnerDCut(RunnerKnowledge):
             rows = [(i, last.index[r]) for i, r in enumerate(verified.req_ids) if r in last.index]
             if not rows:
                 return
-            mine, theirs = (torch.tensor(c) for c in zip(*rows, strict=True))
+            mine, theirs = (list(c) for c in zip(*rows, strict=True))
             conf, num_draft, accepted = last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine]
-        conf = conf.to(torch.float64)  # once for both calibrators (``observe`` keeps float64 on the CPU)
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:
                 c.observe(conf, num_draft, accepted)
@@ -600,9 +600,10 @@ def _held_for(decision: Decided, last: Decided | None) -> Decided:
     return decision
 
 
-def _scaled(log_conf: Tensor, factors: np.ndarray) -> Tensor:
+def _scaled(log_conf: np.ndarray, factors: np.ndarray) -> np.ndarray:
     """``log_conf`` with each request's block scaled by its factor (``RequestHistory``): its first position's
     log-confidence moved by ``log(factor)``, so every prefix score of the request is (capped at 1 by
     ``prefix_scores``)."""
-    shift = torch.from_numpy(np.log(factors)).to(device=log_conf.device, dtype=log_conf.dtype)
-    return torch.cat([log_conf[:, :1] + shift[:, None], log_conf[:, 1:]], dim=1)
+    scaled = log_conf.copy()
+    scaled[:, 0] += np.log(factors).astype(log_conf.dtype)
+    return scaled

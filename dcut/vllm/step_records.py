@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor
+import numpy as np
 
 from dcut.selection import Decision
 from dcut.telemetry import StepRecord
@@ -13,14 +13,14 @@ from dcut.width import WidthChoice
 
 @dataclass
 class Pending:
-    """What ``on_drafted`` decided, waiting for ``cut`` (tensors may still be on the device)."""
+    """What ``on_drafted`` decided, waiting for ``cut`` (on the host)."""
 
-    keep: Tensor | None  # None: keep every draft (full width, a probe)
+    keep: np.ndarray | None  # None: keep every draft (full width, a probe)
     decision: Decision | None
-    log_conf: Tensor
+    log_conf: np.ndarray  # the raw log-confidences [bs, width], float32
     selection_us: float
-    expected: Tensor | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
-    block: Tensor | None = None  # mode joint: each request's kept drafts' calibrated prefix scores, summed [bs]
+    expected: np.ndarray | None = None  # mode joint: the block's marginal gains [width] (dcut.width.marginal_gains)
+    block: np.ndarray | None = None  # mode joint: each request's kept drafts' calibrated prefix scores, summed [bs]
 
 
 @dataclass
@@ -28,8 +28,8 @@ class Verified:
     """Outcome of the verification done in this step (for stats and calibration)."""
 
     req_ids: list[str]
-    num_draft: Tensor  # drafts verified per request (what was scheduled)
-    accepted: Tensor  # drafts accepted per request
+    num_draft: np.ndarray  # drafts verified per request (what was scheduled), int64
+    accepted: np.ndarray  # drafts accepted per request, int64
     width: int  # the width those drafts were drafted at
     accepted_total: int  # drafts accepted across the batch
 
@@ -52,7 +52,7 @@ class LastDrafts:
     """The raw confidences of the drafts handed to the scheduler, for calibration next step."""
 
     index: dict[str, int]
-    log_conf: Tensor  # [bs, width] on the host
+    log_conf: np.ndarray  # [bs, width], float32
     width: int
     expected: list[float] | None = None  # mode joint: what calibration expected of each row's kept drafts
 
@@ -66,7 +66,7 @@ class Held:
     pending: Pending | None
     verified: Verified | None
     last: LastDrafts | None  # the drafts ``verified`` is the outcome of
-    raw: Tensor | None  # this step's raw log-confidences, on the host
+    raw: np.ndarray | None  # this step's raw log-confidences [bs, width], float32
     shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step, which refines the cost table
     context: float | None = None  # the batch's mean context its costs are priced at
     finished: Cycle | None = None  # the cycle it finished (measured at settle)

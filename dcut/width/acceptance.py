@@ -7,8 +7,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from dcut.selection import prefix_scores
 
@@ -16,7 +14,7 @@ OPTIMISM = 1.5  # upper confidence bound, in standard errors, on an unmeasured w
 BLOCKS = 64  # drafted blocks per width whose raw confidences ``rescore`` prices again (the moving average's span)
 
 
-def marginal_gains(log_conf: Tensor) -> Tensor:
+def marginal_gains(log_conf: np.ndarray) -> np.ndarray:
     """``g[j]`` = expected accepted drafts per request from the (j+1)-th draft per request of a block
     ``[bs, W]``, when drafts are kept by D-Cut's global top-k of prefix scores: the expected tokens of a
     budget of ``d * bs`` drafts are ``bs * (1 + sum(g[:d]))``. Non-increasing, in [0, 1]; at bs 1 it is
@@ -24,30 +22,31 @@ def marginal_gains(log_conf: Tensor) -> Tensor:
     request, and miss what the global top-k is for: spending the budget on the requests that will
     accept it.) Blocks stacked ``[n, bs, W]`` give ``[n, W]``."""
     *lead, bs, w = log_conf.shape
-    scores = torch.sort(prefix_scores(log_conf).reshape(*lead, bs * w), dim=-1, descending=True).values
-    return per_request_gains(torch.cat([scores.new_zeros(*lead, 1), scores.cumsum(-1)], dim=-1), bs)
+    scores = -np.sort(-prefix_scores(log_conf).reshape(*lead, bs * w), axis=-1)
+    running = np.zeros((*lead, bs * w + 1))
+    np.cumsum(scores, axis=-1, out=running[..., 1:])
+    return per_request_gains(running, bs)
 
 
-def per_request_gains(cumulative: Tensor, bs: int) -> Tensor:
+def per_request_gains(cumulative: np.ndarray, bs: int) -> np.ndarray:
     """``marginal_gains`` from the running sum of a block's prefix scores sorted best first (``[..., bs*W + 1]``,
     from 0: what ``dcut.selection.select`` computes anyway, so a step need not sort twice)."""
-    return (cumulative[..., :: bs] / bs).diff(dim=-1)  # the top j*bs drafts, per request
+    return np.diff(cumulative[..., :: bs], axis=-1) / bs  # the top j*bs drafts, per request
 
 
-def position_counts(verified: Tensor, accepted: Tensor, k: int, step: Tensor | None = None,
-                    steps: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+def position_counts(verified: np.ndarray, accepted: np.ndarray, k: int, step: np.ndarray | None = None,
+                    steps: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per draft position t < k, over requests: how many verified draft t, how many reached it
     (verified it with every earlier draft accepted), how many accepted it. Request i verified its
     first ``verified[i]`` drafts and the first ``accepted[i]`` of those were accepted. With ``step``
     (request i's step, of ``steps``): the counts of each step, ``[steps, k]``."""
-    positions = torch.arange(k).unsqueeze(0)
-    n = verified.to(torch.int64).clamp(0, k).unsqueeze(1)
-    a = torch.minimum(accepted.to(torch.int64).unsqueeze(1), n)
-    masks = (positions < n, (positions < n) & (positions <= a), positions < a)
+    positions = np.arange(k)
+    n = np.minimum(np.maximum(np.asarray(verified, dtype=np.int64), 0), k)[:, None]
+    a = np.minimum(np.asarray(accepted, dtype=np.int64)[:, None], n)
+    masks = np.stack((positions < n, (positions < n) & (positions <= a), positions < a)).astype(np.int64)
     if step is None:
         return masks[0].sum(0), masks[1].sum(0), masks[2].sum(0)
-    counts = torch.zeros(3, steps, k, dtype=torch.int64)
-    counts.index_add_(1, step, torch.stack(masks).to(torch.int64))
+    counts = (np.arange(steps)[:, None] == np.asarray(step)[None, :]).astype(np.int64) @ masks  # [3, steps, k]
     return counts[0], counts[1], counts[2]
 
 
@@ -74,9 +73,9 @@ class WidthStats:
         # confidences predict, over all drafts, cut or not.
         self.expected = np.zeros((len(self.widths), k))
         self.expected_requests = np.zeros(len(self.widths))
-        self._blocks: dict[int, deque[Tensor]] = {w: deque(maxlen=BLOCKS) for w in self.widths if w}
+        self._blocks: dict[int, deque[np.ndarray]] = {w: deque(maxlen=BLOCKS) for w in self.widths if w}
 
-    def observe(self, width: int, reached: Tensor | np.ndarray, accepted: Tensor | np.ndarray) -> None:
+    def observe(self, width: int, reached: np.ndarray, accepted: np.ndarray) -> None:
         """Count per-position ``reached`` and ``accepted`` (``position_counts``, on the host) for ``width``."""
         i = self._index.get(width)
         if i is None or width == 0:
@@ -92,7 +91,7 @@ class WidthStats:
         self.reached *= scale
         self.accepted *= scale
 
-    def observe_scores(self, width: int, gains: Tensor, requests: int, weight: float = 0.02) -> None:
+    def observe_scores(self, width: int, gains: np.ndarray, requests: int, weight: float = 0.02) -> None:
         """Fold in one drafted block's ``marginal_gains`` (``[width]``, from calibrated confidences).
 
         Counted acceptance alone is biased wherever D-Cut cuts: only the most confident drafts are
@@ -104,17 +103,17 @@ class WidthStats:
             return
         n = float(self.expected_requests[i])
         w = max(weight, requests / (n + requests))
-        self.expected[i, :width] += w * (gains[:width].to(torch.float64).cpu().numpy() - self.expected[i, :width])
+        self.expected[i, :width] += w * (gains[:width] - self.expected[i, :width])
         self.expected_requests[i] += requests
         self._survival = {}
 
-    def observe_block(self, log_conf: Tensor) -> None:
-        """Keep a drafted block's raw log-confidences (``[bs, W]``, on the CPU) for ``rescore``."""
+    def observe_block(self, log_conf: np.ndarray) -> None:
+        """Keep a drafted block's raw log-confidences (``[bs, W]``) for ``rescore``."""
         blocks = self._blocks.get(log_conf.shape[-1])
         if blocks is not None and log_conf.shape[0]:
             blocks.append(log_conf)
 
-    def rescore(self, calibrate: Callable[[int, Tensor], Tensor]) -> None:
+    def rescore(self, calibrate: Callable[[int, np.ndarray], np.ndarray]) -> None:
         """Price each width again from its last ``BLOCKS`` drafted blocks under the calibration of now
         (``calibrate(width, log_conf)``): the mean of their ``marginal_gains``, by requests.
 
@@ -127,13 +126,13 @@ class WidthStats:
             blocks = self._blocks.get(w)
             if not blocks:
                 continue
-            by_bs: dict[int, list[Tensor]] = {}
+            by_bs: dict[int, list[np.ndarray]] = {}
             for b in blocks:
                 by_bs.setdefault(b.shape[0], []).append(b)
-            total = torch.zeros(w, dtype=torch.float64)
+            total = np.zeros(w)
             for bs, group in by_bs.items():
-                total += marginal_gains(calibrate(w, torch.stack(group))).sum(0).to(torch.float64) * bs
-            self.expected[i, :w] = (total / sum(b.shape[0] for b in blocks)).numpy()
+                total += marginal_gains(calibrate(w, np.stack(group))).sum(0) * bs
+            self.expected[i, :w] = total / sum(b.shape[0] for b in blocks)
         self._survival = {}
 
     def load(self, reached: Sequence[Sequence[float]], accepted: Sequence[Sequence[float]],

@@ -30,6 +30,8 @@ def test_bench_policy_json() -> None:
 def test_bench_policy_rejects_bad_repeats(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-policy", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+    assert main(["bench-policy", "--cold"]) == 2  # cold caches are a per-step figure
+    assert "--step" in capsys.readouterr().err
 
 
 def test_bench_step_times_the_runner_hooks() -> None:
@@ -38,5 +40,14 @@ def test_bench_step_times_the_runner_hooks() -> None:
                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     rows = json.loads(out.stdout)["results"]
     cases = {(r["mode"], r["bs"], r["width"]) for r in rows}
-    assert cases >= {("reference", 64, 15), ("joint", 1, 0), ("joint", 64, 15)}
-    assert all(r["median_us"] > 0 for r in rows)
+    assert cases >= {("reference", 64, 15), ("joint", 1, 0), ("joint", 1, 7), ("joint", 64, 15)}
+    assert all(r["median_us"] > 0 and r["drafted_us"] > 0 and not r["cold"] for r in rows)
+    # the hooks' means add up to the step's mean
+    assert all(abs(r["choose_us"] + r["drafted_us"] + r["cut_us"] - r["mean_us"]) < 0.5 for r in rows)
+
+
+def test_bench_step_cold_evicts_the_caches_first() -> None:
+    out = subprocess.run([sys.executable, "-c", DCUT, "bench-policy", "--step", "--cold", "--json", "--repeats", "3"],
+                         cwd=REPO, capture_output=True, text=True, timeout=180, check=True)
+    rows = json.loads(out.stdout)["results"]
+    assert rows and all(r["cold"] and r["mean_us"] > 0 for r in rows)

@@ -16,11 +16,16 @@ def reference_prob(cal: Calibrator, log_conf: torch.Tensor) -> torch.Tensor:
     raw = log_conf.exp().nan_to_num(nan=0.0).clamp(0.0, 1.0)
     positions = torch.arange(log_conf.shape[-1])
     cell = positions * cal.bins + (raw * cal.bins).long().clamp(0, cal.bins - 1)
-    count, accepted, raw_sum = cal._rows()
-    centre = raw * cal._scales(count, accepted, raw_sum)[positions]
+    count, accepted, raw_sum = (torch.from_numpy(t) for t in cal._rows())
+    centre = raw * torch.from_numpy(cal._scales(count.numpy(), accepted.numpy(), raw_sum.numpy()))[positions]
     n, a = count.reshape(-1)[cell], accepted.reshape(-1)[cell]
     smoothed = (a + cal.prior * centre) / (n + cal.prior).clamp_min(1e-12)
     return torch.where(n >= max(cal.min_count, 1), smoothed, centre).clamp(max=1.0)
+
+
+def calibrate(cal: Calibrator, log_conf: torch.Tensor) -> torch.Tensor:
+    """``cal.calibrate`` (host numpy) on a tensor."""
+    return torch.from_numpy(cal.calibrate(log_conf.numpy()))
 
 
 def simulate(cal: Calibrator, steps: int, gen: torch.Generator, n: int = 64, k: int = 6) -> None:
@@ -59,29 +64,29 @@ def test_calibration_reduces_ece() -> None:
             checked += 1
     assert checked >= 3
     # calibrated values move toward the truth: raw 0.9 at position 0 is really about 0.9 ** 2.5
-    out = cal.calibrate(torch.full((1, 6), math.log(0.9)))
+    out = calibrate(cal, torch.full((1, 6), math.log(0.9)))
     assert out.shape == (1, 6) and float(out[0, 0].exp()) == pytest.approx(0.9**2.5, abs=0.1)
 
 
 def test_sparse_bins_pass_raw_through() -> None:
     cal = Calibrator(k=3, min_count=8)
     lc = torch.log(torch.tensor([[0.3, 0.6, 0.95]]))
-    torch.testing.assert_close(cal.calibrate(lc), lc)
+    torch.testing.assert_close(calibrate(cal, lc), lc)
     wider = torch.log(torch.full((2, 5), 0.5))  # positions beyond k pass through
-    torch.testing.assert_close(cal.calibrate(wider), wider)
+    torch.testing.assert_close(calibrate(cal, wider), wider)
 
 
 def test_calibrate_matches_host_reference() -> None:
-    """The device lookup table gives the same calibrated values as the host formula, and
+    """The lookup table gives the same calibrated values as the host formula, and
     positions past the calibrator's k pass through."""
     gen = torch.Generator().manual_seed(1)
     cal = Calibrator(k=6, bins=5)
     simulate(cal, 3, gen)
     lc = torch.rand(4, 6, generator=gen).clamp_min(1e-3).log()
     expected = reference_prob(cal, lc.double()).log().float()
-    torch.testing.assert_close(cal.calibrate(lc), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(calibrate(cal, lc), expected, atol=1e-5, rtol=1e-5)
     wider = torch.cat([lc, lc[:, :2]], dim=1)
-    torch.testing.assert_close(cal.calibrate(wider)[:, 6:], lc[:, :2])
+    torch.testing.assert_close(calibrate(cal, wider)[:, 6:], lc[:, :2])
 
 
 
@@ -92,10 +97,10 @@ def test_a_position_never_verified_is_mapped_as_the_deepest_one_that_was():
     for _ in range(40):
         cal.update(torch.full((4, 4), math.log(0.3)), torch.full((4,), 2), torch.full((4,), 2))
     assert cal.count.sum(1).tolist() == [160, 160, 0, 0]
-    out = cal.calibrate(torch.full((1, 4), math.log(0.3))).exp()[0]
+    out = calibrate(cal, torch.full((1, 4), math.log(0.3))).exp()[0]
     assert float(out[1]) > 0.9 and float(out[2]) == pytest.approx(float(out[1])) == pytest.approx(float(out[3]))
     thin = Calibrator(k=4, bins=5, min_count=8)  # nothing verified anywhere: raw passes through
-    torch.testing.assert_close(thin.calibrate(torch.full((1, 4), math.log(0.3))), torch.full((1, 4), math.log(0.3)))
+    torch.testing.assert_close(calibrate(thin, torch.full((1, 4), math.log(0.3))), torch.full((1, 4), math.log(0.3)))
 
 
 def test_a_thin_bin_is_corrected_by_what_its_position_shows():
@@ -106,7 +111,7 @@ def test_a_thin_bin_is_corrected_by_what_its_position_shows():
     for _ in range(40):
         cal.update(torch.full((4, 2), math.log(0.05)), torch.full((4,), 2), torch.full((4,), 2))
     cal.update(torch.full((2, 2), math.log(0.15)), torch.full((2,), 2), torch.full((2,), 2))  # bin 1: 2 outcomes
-    out = cal.calibrate(torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]]))).exp()
+    out = calibrate(cal, torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]]))).exp()
     assert float(out[0, 0]) > 0.95 and float(out[0, 1]) == pytest.approx(1.0)  # clamped at 1
     assert 0.3 < float(out[1, 0]) < float(out[1, 1]) < 1.0  # bin 0 shared by both: counted, so near 0.97
     expected = reference_prob(cal, torch.log(torch.tensor([[0.05, 0.15], [0.02, 0.03]])).double()).float()
@@ -128,12 +133,12 @@ def test_a_thin_position_takes_the_fallbacks_counts_before_an_earlier_positions(
         own.update(conf[:, :3], torch.tensor([2, 2, 2, 3]), torch.tensor([1, 1, 2, 2]))
     assert own.count.sum(1).tolist()[2] < 32 <= pooled.count.sum(1).tolist()[2]
     probe = torch.log(torch.tensor([[0.9, 0.9, 0.05]]))
-    assert float(own.calibrate(probe).exp()[0, 2]) > 0.9  # pooled position 2: raw 0.05 is accepted
+    assert float(calibrate(own, probe).exp()[0, 2]) > 0.9  # pooled position 2: raw 0.05 is accepted
     alone = Calibrator(k=3, bins=10, min_count=8)
     alone.load(own.state())
-    assert float(alone.calibrate(probe).exp()[0, 2]) < 0.5  # its own 10 observations there: rejected
+    assert float(calibrate(alone, probe).exp()[0, 2]) < 0.5  # its own 10 observations there: rejected
     for _ in range(40):  # the pooled calibrator learns position 2's drafts are now rejected
         pooled.update(conf, torch.full((4,), 3), torch.full((4,), 2))
-    assert float(own.calibrate(probe).exp()[0, 2]) < 0.7
+    assert float(calibrate(own, probe).exp()[0, 2]) < 0.7
     with pytest.raises(ValueError):
         Calibrator(k=5, bins=10, fallback=pooled)

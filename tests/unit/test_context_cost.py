@@ -102,11 +102,11 @@ def test_lookups_add_the_term_of_the_covering_batch_size_and_floor_below_the_pro
         expected = plain.lookup(bs, tokens) + (c - C0) * (1e-3 + 5e-4 * tokens)
         assert t.lookup(bs, tokens, c) == pytest.approx(expected)
     assert t.lookup(16, 256) == plain.lookup(16, 256)  # no context given: the profiled one
-    tokens = torch.arange(16, 257)
-    assert t.costs(16, tokens, 900.0).tolist() == pytest.approx(t.lookup_many(16, tokens.numpy(), 900.0).tolist())
+    tokens = np.arange(16, 257)
+    assert t.costs(16, tokens, 900.0).tolist() == pytest.approx(t.lookup_many(16, tokens, 900.0).tolist())
     steep = base_table(context(slope=0.05))  # far below the profiled context the line would go below zero
     assert steep.lookup(16, 256, 0) == pytest.approx(0.5 * plain.lookup(16, 256))
-    assert steep.costs(16, torch.tensor([256]), 0).tolist() == pytest.approx([0.5 * plain.lookup(16, 256)])
+    assert steep.costs(16, np.array([256]), 0).tolist() == pytest.approx([0.5 * plain.lookup(16, 256)])
 
 
 def test_json_round_trip_and_tables_without_the_section_behave_as_before():

@@ -35,7 +35,7 @@ def test_default_widths_include_zero_and_k() -> None:
 def test_width_stats_count_reached_positions_per_width() -> None:
     stats = WidthStats([0, 2, 4], k=4, prior_weight=0.0)
     # Three requests drafted at width 4: verified 4/4/2 drafts, accepted 1/4/2.
-    stats.observe(4, *position_counts(torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2]), 4)[1:])
+    stats.observe(4, *position_counts(np.array([4, 4, 2]), np.array([1, 4, 2]), 4)[1:])
     q = stats.conditional()
     assert q[2].tolist() == pytest.approx([3 / 3, 2 / 3, 1 / 1, 1 / 1])
     s = stats.survival()
@@ -45,10 +45,10 @@ def test_width_stats_count_reached_positions_per_width() -> None:
 
 
 def test_position_counts_of_several_steps_at_once_are_each_steps_own() -> None:
-    steps = [(torch.tensor([4, 4, 2]), torch.tensor([1, 4, 2])), (torch.tensor([3]), torch.tensor([0])),
-             (torch.tensor([2, 1]), torch.tensor([2, 1]))]
-    step = torch.repeat_interleave(torch.arange(3), torch.tensor([len(v) for v, _ in steps]))
-    together = position_counts(torch.cat([v for v, _ in steps]), torch.cat([a for _, a in steps]), 4, step, 3)
+    steps = [(np.array([4, 4, 2]), np.array([1, 4, 2])), (np.array([3]), np.array([0])),
+             (np.array([2, 1]), np.array([2, 1]))]
+    step = np.repeat(np.arange(3), [len(v) for v, _ in steps])
+    together = position_counts(np.concatenate([v for v, _ in steps]), np.concatenate([a for _, a in steps]), 4, step, 3)
     for i, (verified, accepted) in enumerate(steps):
         for mine, alone in zip(together, position_counts(verified, accepted, 4), strict=True):
             assert mine[i].tolist() == alone.tolist()
@@ -57,7 +57,7 @@ def test_position_counts_of_several_steps_at_once_are_each_steps_own() -> None:
 def test_unobserved_width_borrows_the_pooled_rate() -> None:
     stats = WidthStats([2, 4], k=4, prior_q=0.5, prior_weight=2.0)
     for _ in range(50):
-        stats.observe(4, *position_counts(torch.tensor([4] * 8), torch.tensor([4] * 8), 4)[1:])  # all accepted
+        stats.observe(4, *position_counts(np.array([4] * 8), np.array([4] * 8), 4)[1:])  # all accepted
     q = stats.conditional()
     assert q[0, 0] > 0.9  # width 2 never observed: pooled towards width 4's rate, not the 0.5 prior
 
@@ -145,7 +145,7 @@ def test_an_optimistic_bound_tightens_with_observations() -> None:
     stats = WidthStats([2, 4], k=4)
     assert stats.survival(1.5)[1].tolist() == [1.0, 1.0, 1.0, 1.0]  # nothing known: anything is possible
     for _ in range(40):  # half the first drafts accepted, none past them
-        stats.observe(4, *position_counts(torch.tensor([4] * 8), torch.tensor([1, 0] * 4), 4)[1:])
+        stats.observe(4, *position_counts(np.array([4] * 8), np.array([1, 0] * 4), 4)[1:])
     hopeful, mean = stats.survival(1.5)[1], stats.survival()[1]
     assert mean[0] == pytest.approx(0.5, abs=0.01) and 0.5 < hopeful[0] < 0.6
 
@@ -154,8 +154,8 @@ def test_drafted_widths_are_priced_by_their_calibrated_confidences() -> None:
     """Counted acceptance at cut positions is that of the best drafts only; the block's confidences price
     every draft, and a width never drafted borrows a wider block's confidences at the positions it has."""
     stats = WidthStats([2, 4], k=4, prior_weight=2.0)
-    stats.observe(4, *position_counts(torch.tensor([1] * 8), torch.tensor([1] * 8), 4)[1:])  # kept 1, all accepted
-    stats.observe_scores(4, torch.tensor([0.6, 0.3, 0.1, 0.05]), requests=8)
+    stats.observe(4, *position_counts(np.array([1] * 8), np.array([1] * 8), 4)[1:])  # kept 1, all accepted
+    stats.observe_scores(4, np.array([0.6, 0.3, 0.1, 0.05]), requests=8)
     s = stats.survival()
     assert s[1].tolist() == pytest.approx([0.6, 0.3, 0.1, 0.05])
     assert s[0].tolist() == pytest.approx([0.6, 0.3, 0.0, 0.0])  # width 2: width 4's first two positions
@@ -167,10 +167,10 @@ def test_a_width_is_priced_again_under_the_calibration_of_now() -> None:
     drafted again)."""
     stats = WidthStats([2, 4], k=4)
     block = torch.full((3, 4), math.log(0.1))  # an under-confident drafter: raw 0.1 ...
-    stats.observe_scores(4, marginal_gains(block), requests=3)
+    stats.observe_scores(4, marginal_gains(block.numpy()), requests=3)
     stats.observe_block(block)
     assert stats.survival()[1][0] == pytest.approx(0.1)
-    stats.rescore(lambda width, log_conf: torch.zeros_like(log_conf))  # ... learned to be accepted every time
+    stats.rescore(lambda width, log_conf: np.zeros_like(log_conf))  # ... learned to be accepted every time
     assert stats.survival()[1].tolist() == pytest.approx([1.0] * 4)
     assert stats.survival()[0][:2].tolist() == pytest.approx([1.0, 1.0])  # width 2 borrows width 4's price
 
@@ -178,12 +178,12 @@ def test_a_width_is_priced_again_under_the_calibration_of_now() -> None:
 def test_marginal_gains_price_the_global_top_k() -> None:
     # One sure request and one hopeless one: the first draft per request (budget bs) is worth the sure
     # request's first two drafts, which a uniform depth of 1 would not keep.
-    log_conf = torch.log(torch.tensor([[1.0, 1.0, 1.0], [0.01, 0.01, 0.01]]))
+    log_conf = np.log(np.array([[1.0, 1.0, 1.0], [0.01, 0.01, 0.01]], dtype=np.float32))
     g = marginal_gains(log_conf)
     assert g.tolist() == pytest.approx([1.0, 0.5 + 0.005, 0.00005 + 0.0000005], rel=1e-3)
     assert marginal_gains(log_conf[:1]).tolist() == pytest.approx([1.0, 1.0, 1.0])  # bs 1: the prefix scores
-    stacked = marginal_gains(torch.stack([log_conf, log_conf.flip(0)]))  # blocks stacked: one row each
-    assert stacked.shape == (2, 3) and torch.allclose(stacked, g.expand(2, 3))
+    stacked = marginal_gains(np.stack([log_conf, log_conf[::-1]]))  # blocks stacked: one row each
+    assert stacked.shape == (2, 3) and np.allclose(stacked, g[None, :])
 
 
 def test_the_explorer_tries_only_widths_whose_bound_beats_the_choice_until_it_no_longer_does() -> None:
