@@ -1,9 +1,10 @@
 """The D-Cut decision: which drafts of a batch to verify (docs/algorithm.md, sections 1-2).
 
 Host-side numpy on a ``[bs, K]`` copy of the drafter's log-confidences. The decision is a few dozen operations on
-at most a few thousand numbers, and the cut reads its keep depths on the host in the same step anyway; as torch
-ops each cost 3-10 us on a CPU engine, whose caches the forward pass left cold (a GPU kernel launch costs the
-host as much), numpy's cost about a third of that (``dcut bench-policy --step --cold``: why they are numpy).
+at most a few thousand numbers, and the cut reads its keep depths on the host in the same step anyway. As torch ops
+(or GPU kernel launches) each cost the host several microseconds, more with the caches the forward pass left cold;
+the same work in numpy ufuncs took a drafting step's D-Cut hooks from about 1.1-1.3 ms to 0.6-0.8 ms on a CPU
+engine's cold caches (``dcut bench-policy --step --cold``, docs/benchmarks.md section 3).
 """
 
 from __future__ import annotations
