@@ -112,9 +112,7 @@ class Calibrator:
         calibrated = np.exp(self.calibrate(log_conf)).astype(np.float64)
         self._count(self.count, self.accepted, self.raw_sum, raw, observed, hit)
         self._count(self.cal_count, self.cal_accepted, self.cal_sum, calibrated, observed, hit)
-        self._table = None
-        self.version += 1
-        self.first_drafts = float(self.count[0].sum())
+        self._changed()
 
     def calibrate(self, log_conf: np.ndarray) -> np.ndarray:
         """Log of the calibrated acceptance probability (float32, on the host), same shape as ``log_conf``.
@@ -126,7 +124,7 @@ class Calibrator:
         k = min(self.k, log_conf.shape[-1])
         a, b = self._lut()
         raw = _prob(log_conf[..., :k])  # (ufuncs, not np.clip / np.nan_to_num: dcut.selection.prefix_scores)
-        cell = np.arange(0, k * self.bins, self.bins) + np.minimum((raw * self.bins).astype(np.int64), self.bins - 1)
+        cell = np.arange(0, k * self.bins, self.bins) + self._bin(raw)
         with np.errstate(divide="ignore"):  # a rate of 0: log -inf, a draft no budget keeps
             calibrated = np.minimum(np.log(a[cell] + b[cell] * raw), 0.0)
         return calibrated if k == log_conf.shape[-1] else np.concatenate([calibrated, log_conf[..., k:]], axis=-1)
@@ -145,9 +143,7 @@ class Calibrator:
                                  f"expected {tuple(self.count.shape)}")
             setattr(self, f, values)
         self._held = []
-        self._table = None
-        self.version += 1
-        self.first_drafts = float(self.count[0].sum())
+        self._changed()
 
     def reliability(self) -> dict[str, Any]:
         """Per-position expected calibration error of raw and of calibrated confidence.
@@ -162,6 +158,13 @@ class Calibrator:
             "ece_calibrated": _ece(self.cal_count, self.cal_accepted, self.cal_sum),
             "acceptance_rate": _safe_div(self.accepted.sum(1), self.count.sum(1)),
         }
+
+    def _changed(self) -> None:
+        """The counts changed: the lookup table is rebuilt at its next use, a calibrator falling back on this one
+        rebuilds its own (``version``), and the position-0 count is taken again."""
+        self._table = None
+        self.version += 1
+        self.first_drafts = float(self.count[0].sum())
 
     def _bin(self, prob: np.ndarray) -> np.ndarray:
         return np.minimum((prob * self.bins).astype(np.int64), self.bins - 1)  # (prob >= 0)

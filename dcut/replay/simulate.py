@@ -400,8 +400,6 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
     fitted on the outcomes it is judged on) and less than the ``oracle`` (not which drafts verification accepts):
     the ceiling of what D-Cut's signals can buy, where the oracle is the ceiling of anything.
     """
-    import torch
-
     from dcut.calibration import Calibrator
     from dcut.selection import prefix_scores
 
@@ -409,7 +407,7 @@ def confidence_oracle(bs: int, pools: Pools, cost: CostModel, steps: int, warmup
     for w in pools.widths:
         conf, accepted = pools.pool(w)
         c = Calibrator(w, prior=0.0)
-        c.update(torch.from_numpy(conf), torch.full((len(accepted),), w), torch.from_numpy(accepted))
+        c.update(conf, np.full(len(accepted), w), accepted)
         scored[w] = prefix_scores(c.calibrate(conf))
     widths = [0, *pools.widths]
 
