@@ -28,6 +28,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--starts", type=int, default=5, help="replay each cell from this many starts in the trace "
                         "(other requests, at other stages) and pool them; a comparison is paired per start")
+    parser.add_argument("--no-host-work", action="store_true", help="charge no policy for D-Cut's host work a step "
+                        "(the cost models' host term, dcut.replay.host): what the decisions alone are worth")
     parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
     parser.add_argument("--json", action="store_true", help="print the report JSON to stdout too")
 
@@ -55,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e)) from e
     if drift is not None:
         cases = [dataclasses.replace(c, drift=drift) for c in cases]
+    if args.no_host_work:
+        cases = [dataclasses.replace(c, cost=dataclasses.replace(c.cost, host=None)) for c in cases]
     report = write_report(cases, Path(args.out), args.steps, args.warmup, args.starts)
     if args.json:
         print(json.dumps(report, indent=1))

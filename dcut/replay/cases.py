@@ -9,10 +9,15 @@
 - ``deep-h20``: the deep pair's trace against the H20 roofline (our drafter's acceptance, a GPU's costs);
 - ``gpu-script-tiny``: synthetic traces against the cost table written by ``dcut/bench/gpu_costs.py`` run on
   this CPU at a tiny shape: the measured-GPU path end to end (format, not figures).
+
+D-Cut's own host work a step (``dcut.replay.host``) is charged to the policies that decide with it: on the CPU
+cases what ``joint``'s hooks cost live over a speculating engine's (``CPU_HOST``), on the H20 cases its whole step
+work with warm caches (``WARM_HOST``), measured on this CPU: a GPU host's may be faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +27,7 @@ import numpy as np
 from dcut.cost_table import CostTable
 from dcut.overhead import linear_fit
 from dcut.replay.costs import CostModel
+from dcut.replay.host import HostWork
 from dcut.replay.report import Case
 from dcut.trace import Trace
 
@@ -29,6 +35,8 @@ DOCS = Path("docs/replay")
 DEEP_TRACE = DOCS / "traces" / "deep"
 MOE_TRACE = DOCS / "traces" / "moe"
 GPU_TINY = DOCS / "costs" / "gpu-script-tiny-cpu.json"
+CPU_HOST = DOCS / "costs" / "dcut-host-cpu.json"  # python -m dcut.replay.host --compare (a live breakdown)
+WARM_HOST = DOCS / "costs" / "dcut-host-warm.json"  # python -m dcut.replay.host --bench (dcut bench-policy --step)
 PAPER_SIZES = [4, 8, 16, 32, 64]
 SIZES = [1, 4, 8, 16, 32, 64]
 
@@ -80,13 +88,13 @@ def live_costs(trace: Trace, sizes: list[int], min_steps: int = 3) -> tuple[dict
     return points, draft
 
 
-def recorded_cost_model(trace_dir: Path) -> CostModel:
+def recorded_cost_model(trace_dir: Path, host: HostWork | None = None) -> CostModel:
     """What the recording engine's steps cost, measured live; the table it profiled at start as the prior.
 
     Verify and drafter costs: medians of the trace's own steps (``live_costs``). A step verifying no
     drafts, and the drafter at width 0 (which a trace never runs): from a measured run without speculation
     (``plain-generate.jsonl``: ``dcut generate --mode none``; the committed file's name) and the profile.
-    Engine overhead: fitted on the trace's gaps between steps."""
+    Engine overhead: fitted on the trace's gaps between steps. ``host``: D-Cut's decision's host work a step."""
     profiled = json.loads((trace_dir / "cost_table.json").read_text())
     trace = load_traces(trace_dir)
     per_step, per_token = engine_overhead(trace)
@@ -107,16 +115,21 @@ def recorded_cost_model(trace_dir: Path) -> CostModel:
              f"engine overhead fitted on the trace's gaps between steps: {per_step:.3f} ms + {per_token:.4f} ms "
              "per emitted token",
              "policies start from the engine's profiled table (dummy steps at start), as a live engine does"]
-    return CostModel(f"{trace_dir.name}-cpu", table, per_step, per_token, none, notes, prior)
+    return CostModel(f"{trace_dir.name}-cpu", table, per_step, per_token, none, notes, prior, host)
+
+
+def _h20(cost: CostModel) -> CostModel:
+    """The H20 roofline's cost model, charging D-Cut's warm host work (its engine ran no hooks of ours)."""
+    return dataclasses.replace(cost, host=HostWork.load(WARM_HOST))
 
 
 def deep_cpu() -> Case:
-    return Case("deep-cpu", load_traces(DEEP_TRACE), recorded_cost_model(DEEP_TRACE), SIZES,
+    return Case("deep-cpu", load_traces(DEEP_TRACE), recorded_cost_model(DEEP_TRACE, HostWork.load(CPU_HOST)), SIZES,
                 "deep pair, recorded on this CPU; this CPU's profiled costs")
 
 
 def moe_cpu() -> Case:
-    return Case("moe-cpu", load_traces(MOE_TRACE), recorded_cost_model(MOE_TRACE), [1, 4],
+    return Case("moe-cpu", load_traces(MOE_TRACE), recorded_cost_model(MOE_TRACE, HostWork.load(CPU_HOST)), [1, 4],
                 "MoE pair, recorded on this CPU; this CPU's profiled costs")
 
 
@@ -124,14 +137,14 @@ def h20_paper() -> Case:
     from dcut.replay.roofline import h20_cost_model
     from dcut.replay.synthetic import paper_trace
 
-    return Case("h20-paper", paper_trace(), h20_cost_model(), PAPER_SIZES,
+    return Case("h20-paper", paper_trace(), _h20(h20_cost_model()), PAPER_SIZES,
                 "synthetic drafts calibrated to the source document; Qwen3-8B on one H20 (roofline fit)")
 
 
 def deep_h20() -> Case:
     from dcut.replay.roofline import h20_cost_model
 
-    return Case("deep-h20", load_traces(DEEP_TRACE), h20_cost_model(), SIZES,
+    return Case("deep-h20", load_traces(DEEP_TRACE), _h20(h20_cost_model()), SIZES,
                 "deep pair's recorded drafts; Qwen3-8B on one H20 (roofline fit): a projection")
 
 

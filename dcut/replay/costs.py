@@ -5,7 +5,8 @@ cost by batch size and verify tokens, drafter cost by batch size and width) with
 engine ignores: ``overhead`` (``{"per_step_ms", "per_token_ms"}``: the engine's work outside the
 model, per step and per emitted token) and ``none`` (``{bs: ms}``, optional: a step of ``none``, no speculation,
 an engine with no drafter at all; when absent, the verify cost of ``bs`` tokens; cost models written before it was
-named ``none`` call it ``plain``, read as well) and ``notes`` (how it was made).
+named ``none`` call it ``plain``, read as well), ``host`` (optional: D-Cut's own host work a step, charged to the
+policies that decide with it, ``dcut.replay.host``) and ``notes`` (how it was made).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dcut.cost_table import CostTable
+from dcut.replay.host import HostWork
 
 
 @dataclass
@@ -29,13 +31,14 @@ class CostModel:
     none_ms: dict[int, float] = field(default_factory=dict)  # a step of ``none`` per batch size
     notes: list[str] = field(default_factory=list)
     prior: CostTable | None = None  # what a policy starts from (an engine's profiled table), when not the truth
+    host: HostWork | None = None  # D-Cut's decision's host work a step (None: free)
 
     def for_policies(self) -> CostModel:
         """The costs a policy is handed: the prior table where there is one (an engine profiles dummy steps
         at start and refines from live ones), else these."""
         if self.prior is None:
             return self
-        return CostModel(self.name, self.prior, self.per_step_ms, self.per_token_ms, {}, self.notes)
+        return CostModel(self.name, self.prior, self.per_step_ms, self.per_token_ms, {}, self.notes, host=self.host)
 
     def verify(self, bs: int, tokens: int, context: float | None = None) -> float:
         """The target's step verifying ``tokens`` (bs anchors + kept drafts) for ``bs`` requests at mean
@@ -65,6 +68,10 @@ class CostModel:
         """The engine's time outside the model for a step emitting ``tokens``."""
         return self.per_step_ms + self.per_token_ms * tokens
 
+    def host_ms(self, bs: int, width: int) -> float:
+        """D-Cut's decision's host work on a step of ``bs`` requests drafting ``width`` (0 where none is modelled)."""
+        return 0.0 if self.host is None else self.host.ms(bs, width)
+
     def batch_sizes(self) -> list[int]:
         return sorted(self.table.points)
 
@@ -76,6 +83,8 @@ class CostModel:
         data["notes"] = list(self.notes)
         if self.prior is not None:
             data["policy_table"] = self.prior.to_json()
+        if self.host is not None:
+            data["host"] = self.host.to_json()
         return data
 
     @classmethod
@@ -86,7 +95,8 @@ class CostModel:
         return cls(name or data.get("name") or data["fingerprint"]["model"], CostTable.from_json(data).smoothed(),
                    float(overhead.get("per_step_ms", 0.0)), float(overhead.get("per_token_ms", 0.0)),
                    {int(b): float(ms) for b, ms in (none or {}).items()}, list(data.get("notes", [])),
-                   CostTable.from_json(data["policy_table"]) if data.get("policy_table") else None)
+                   CostTable.from_json(data["policy_table"]) if data.get("policy_table") else None,
+                   HostWork.from_json(data["host"]) if data.get("host") else None)
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

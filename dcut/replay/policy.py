@@ -3,7 +3,8 @@
 Replay calls, per step of a simulated batch of ``bs`` requests: ``width(bs, last)`` before drafting
 (``last``: what the previous step's verification showed), then ``keep(log_conf)`` on the drafts of
 that width (``[bs, width]`` natural-log confidences) for per-request keep depths. Widths must be
-among the ``widths`` the policy was built with (those the trace holds, plus 0).
+among the ``widths`` the policy was built with (those the trace holds, plus 0). A policy with ``decides`` true
+pays D-Cut's host work on each step (``dcut.replay.costs.CostModel.host_ms``); other engines' rules do not.
 """
 
 from __future__ import annotations

@@ -151,6 +151,7 @@ def summarize(case: Case, cells: list[Cell]) -> dict[str, object]:
             **({"drift": {"factor": case.drift.factor, "period": case.drift.period}} if case.drift else {}),
             "cost_model": {"name": case.cost.name, "fingerprint": case.cost.table.fingerprint.model_dump(),
                            "overhead": {"per_step_ms": case.cost.per_step_ms, "per_token_ms": case.cost.per_token_ms},
+                           **({"host": case.cost.host.to_json()} if case.cost.host is not None else {}),
                            "notes": case.cost.notes},
             "trace": {"k": case.trace.k, "steps": case.trace.steps, "rows": int(case.trace.step_offsets[-1]),
                       "widths": case.trace.widths(), "meta": {k: v for k, v in case.trace.meta.items()

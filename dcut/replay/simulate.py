@@ -3,7 +3,8 @@
 Step n verifies what step n-1 kept (each request accepts ``min(true accepted, kept)`` and emits one
 more token), then the policy chooses a width, the trace supplies that width's drafts, and the
 policy keeps a prefix of each request's drafts. The step costs ``verify(bs, bs + kept) +
-draft(bs, width) + overhead(emitted)`` on the cost model (for ``none``: a step without speculation, no drafter).
+draft(bs, width) + overhead(emitted)`` on the cost model (for ``none``: a step without speculation, no drafter), and
+for a policy that decides with D-Cut (``decides``) its hooks' host work too (``CostModel.host_ms``).
 
 Each request slot walks through a recorded request by the tokens it emits (``Walk``): it reads, at the width
 drafted, the row its request recorded where the slot is in the request's text, so a request's acceptance drifts,
@@ -236,6 +237,7 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
     machine's speed over the steps (None: steady); ``start``: where in the trace the walk starts (``Pools.walk``)."""
     clock = clock or SimClock()
     begin = getattr(policy, "begin", None)
+    decides = getattr(policy, "decides", False)  # pays D-Cut's host work (CostModel.host_ms)
     kept = np.zeros(bs, dtype=np.int64)
     true = np.zeros(bs, dtype=np.int64)
     width_prev, last = 0, None
@@ -264,8 +266,9 @@ def run_cell(policy: Policy, bs: int, pools: Pools, cost: CostModel, steps: int,
             clock.advance(draft_ms)
         conf, true = walk.rows(w)
         new_kept = np.asarray(policy.keep(conf), dtype=np.int64)  # at width 0 too: an engine's hooks run every step
-        step_ms = verify_ms + draft_ms + slow * cost.overhead(emitted)
-        clock.advance(step_ms - verify_ms - draft_ms)
+        host_ms = cost.host_ms(bs, w) if decides else 0.0
+        step_ms = verify_ms + draft_ms + slow * (cost.overhead(emitted) + host_ms)
+        clock.advance(step_ms - verify_ms - draft_ms)  # (the runner times its hooks' work in the gap, as in an engine)
         if n >= warmup:
             tokens += emitted
             ms += step_ms
@@ -289,6 +292,9 @@ class RunnerPolicy:
 
         self._torch = torch
         self.name = name
+        # Modes that choose what to verify spend host time on it each step (``CostModel.host_ms``); ``full`` verifies
+        # everything, as vLLM's own speculation does.
+        self.decides = settings.mode != "full"
         self.runner = RunnerDCut(settings, cost.table.fingerprint, k, clock=clock)
         self.runner.cost_table = copy.deepcopy(cost.table)  # it refines its own copy from the steps it times
         self.runner.cost_source = "given"

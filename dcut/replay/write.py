@@ -26,7 +26,9 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: 
                       for r in summary["rows"] if r["policy"] != "dynamic"],
                      out / f"{case.name}.png", f"replay: {case.name}")
         drift = f" The machine drifts: every cost {case.drift}." if case.drift else ""
-        md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.{drift}\n",
+        host = "" if case.cost.host is None else \
+            f" D-Cut's host work, charged to the policies that decide with it: {case.cost.host.describe()}."
+        md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.{drift}{host}\n",
                markdown_table(summary), joint_widths_markdown(summary), f"![{case.name}]({case.name}.png)\n"]
         if "paper_check" in summary:
             md.append(paper_check_markdown(summary["paper_check"]))
