@@ -19,6 +19,7 @@ COMMANDS = {
     "trace": "dcut.commands.trace",
     "replay": "dcut.commands.replay",
     "compare": "dcut.commands.compare",
+    "pool": "dcut.commands.pool",
 }
 
 
