@@ -3,9 +3,9 @@
 One run of five rounds cannot rank modes within a few percent of each other on a shared box: the same code's
 ``joint`` over the best other mode read 1.008, 0.973, 0.924 and 1.057 at bs 8 in four runs. Each round of each run
 is already a pair (every mode ran in it, in shuffled order), so rounds from several runs pool without bias from the
-box's slow hours: per batch size, ``mode``'s rate over each other mode's in the same round, and over the best of them
-in that round, median and 95 % bootstrap interval over every round of every run. Each run's own ratio of medians is
-kept beside it (what a single run would have said).
+box's slow hours: per batch size, ``mode``'s rate (the mean of its engines, where a run built copies ``MODE#N``) over
+each other mode's in the same round, and over the best of them in that round, median and 95 % bootstrap interval over
+every round of every run. Each run's own ratio of medians is kept beside it (what a single run would have said).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dcut.bench.interleaved import bootstrap_median, verdict
+from dcut.bench.interleaved import base_mode, bootstrap_median, verdict
 
 
 def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str, ...] = ("none", "full", "dynamic"),
@@ -23,7 +23,7 @@ def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str,
     if len(reports) < 2:
         raise ValueError("pooling takes at least two compare reports")
     sizes = _common(reports, "batch_sizes")
-    modes = set(_common(reports, "modes"))
+    modes = {base_mode(m) for m in _common(reports, "modes")}
     missing = sorted({mode, *against} - modes)
     if missing:
         raise ValueError(f"the reports did not run {', '.join(missing)} (they ran {', '.join(sorted(modes))})")
@@ -33,7 +33,12 @@ def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str,
         ratios: dict[str, list[float]] = {m: [] for m in (*against, "best")}
         per_run = []
         for report in reports:
-            by = {(r["mode"], r["repeat"]): r["tokens_per_s"] for r in report["runs"] if r["bs"] == bs}
+            # a mode's rate in a round: the mean of its engines (MODE and its copies MODE#N, as dcut compare pairs them)
+            engines: dict[tuple[str, int], list[float]] = {}
+            for r in report["runs"]:
+                if r["bs"] == bs:
+                    engines.setdefault((base_mode(r["mode"]), r["repeat"]), []).append(r["tokens_per_s"])
+            by = {key: float(np.mean(rates)) for key, rates in engines.items()}
             rounds = sorted({r for _, r in by})
             for r in rounds:
                 for m in against:

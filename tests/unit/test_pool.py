@@ -34,6 +34,13 @@ def test_rounds_of_every_run_pool_as_pairs_and_each_runs_ratio_is_kept():
     assert pool([behind, behind])["rows"][0]["best"]["verdict"] == "joint slower"
 
 
+def test_a_modes_copies_count_as_one_mode_their_mean_in_each_round():
+    """A floor run built A B B A (none, joint-w0, joint-w0#2, none#2): each side is the mean of its two engines."""
+    floor = report({"none": [96, 104], "joint-w0": [90, 92], "joint-w0#2": [100, 98], "none#2": [104, 96]})
+    row = pool([floor, floor], mode="joint-w0", against=("none",))["rows"][0]
+    assert row["none"]["ratio"] == pytest.approx(0.95) and row["per_run"] == pytest.approx([0.95, 0.95])
+
+
 def test_reports_of_different_comparisons_are_refused():
     a = report({"none": [1.0] * 3, "full": [1.0] * 3, "dynamic": [1.0] * 3, "joint": [1.0] * 3})
     with pytest.raises(ValueError, match="at least two"):
