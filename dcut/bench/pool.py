@@ -27,7 +27,6 @@ def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str,
     missing = sorted({mode, *against} - modes)
     if missing:
         raise ValueError(f"the reports did not run {', '.join(missing)} (they ran {', '.join(sorted(modes))})")
-    rng = np.random.default_rng(seed)
     rows = []
     for bs in sizes:
         ratios: dict[str, list[float]] = {m: [] for m in (*against, "best")}
@@ -48,7 +47,8 @@ def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str,
             per_run.append(medians[mode] / max(medians[m] for m in against))
         row: dict[str, Any] = {"bs": bs, "rounds": len(ratios["best"]), "per_run": per_run}
         for m, values in ratios.items():
-            median, low, high = bootstrap_median(values, rng)
+            # (one draw per column, the same for each: equal ratios get equal intervals)
+            median, low, high = bootstrap_median(values, np.random.default_rng([seed, bs]))
             # (a ratio mode/other: ``verdict`` reads other/mode, so its sides swap)
             row[m] = {"ratio": median, "ci95": [low, high], "verdict": verdict(1 / high, 1 / low, mode)}
         rows.append(row)
