@@ -17,6 +17,7 @@ Two sources, each for the cost models it fits:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     path = args.compare or args.bench
     data = json.loads(path.read_text())
     host = from_compare(data) if args.compare else from_bench(data)
-    host = HostWork(host.drafting, host.zero, f"{host.source} ({args.label or path})")
+    host = dataclasses.replace(host, source=f"{host.source} ({args.label or path})")
     args.out.write_text(json.dumps(host.to_json(), indent=1) + "\n")
     print(json.dumps(host.to_json(), indent=1))
 
