@@ -16,7 +16,7 @@ ifeq ($(EXTRA),cpu)
 export VLLM_USE_AOT_COMPILE ?= 0
 endif
 
-.PHONY: setup test test-unit serve lint sweep replay compare compare-floor compare-batch loadtest loadtest-quick
+.PHONY: setup test test-unit serve lint sweep replay compare compare-floor compare-moe compare-batch loadtest loadtest-quick
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -68,6 +68,12 @@ compare: $(STAMP)
 compare-floor: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
 		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/compare-floor
+
+# the MoE pair at bs 1 and 4, with the hooks' breakdown: its own D-Cut host work for the replay (~15 min here):
+# docs/compare-moe
+compare-moe: $(STAMP)
+	$(VENV)/bin/dcut compare --pair moe --bs 1,4 --modes none,full,dynamic,joint,joint-w0 --dynamic-schedule '1-4:15' \
+		--repeats 7 --max-tokens 128 --traffic steady --breakdown --out docs/compare-moe
 
 compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/compare-deep-batch
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
