@@ -13,6 +13,7 @@ Plain lists, no tensors: the Serve controller reads and merges these and imports
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -49,6 +50,10 @@ class RealizedCell(BaseModel):
     n: int
     ratio_var: float = 0.0  # of a cycle's realized over predicted tokens (0: a state saved before it was kept)
     time_var: float = 0.0  # of a cycle's time over predicted
+    # what each position of its blocks was worth per request, and requests per cycle (None: a state saved before
+    # they were kept; the width is then judged on its own prediction until it drafts again)
+    gains: list[float] | None = None
+    requests: float = 0.0
 
 
 class LearnedState(BaseModel):
@@ -122,4 +127,16 @@ def _merge_cells(cells: Sequence[RealizedCell]) -> RealizedCell:
                         predicted_tokens=mean("predicted_tokens"), predicted_ms=mean("predicted_ms"), rate=mean("rate"),
                         rate_var=pooled([c.rate for c in cells], [c.rate_var for c in cells]), n=int(n.sum()),
                         ratio_var=pooled(ratio("tokens", "predicted_tokens"), [c.ratio_var for c in cells]),
-                        time_var=pooled(ratio("ms", "predicted_ms"), [c.time_var for c in cells]))
+                        time_var=pooled(ratio("ms", "predicted_ms"), [c.time_var for c in cells]),
+                        **_mean_gains(cells))
+
+
+def _mean_gains(cells: Sequence[RealizedCell]) -> dict[str, Any]:
+    """The cells' gains per position and requests per cycle, weighted by cycles, over the cells that kept them."""
+    kept = [c for c in cells if c.gains is not None and c.n > 0]
+    if not kept or len({len(c.gains or ()) for c in kept}) > 1:
+        return {}
+    w = np.asarray([c.n for c in kept], dtype=np.float64)
+    w /= w.sum()
+    return {"gains": (np.asarray([c.gains for c in kept]) * w[:, None]).sum(0).tolist(),
+            "requests": float(np.dot(w, [c.requests for c in kept]))}

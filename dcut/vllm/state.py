@@ -470,7 +470,8 @@ class RunnerDCut(RunnerKnowledge):
         if counted and c.probe:
             self.realized.add_probe(c.bucket, c.width, emitted, c.ms, c.predicted_ms)
         elif counted:
-            self.realized.add(c.bucket, c.width, emitted, c.ms, c.predicted_tokens, c.predicted_ms, h.shape is not None)
+            self.realized.add(c.bucket, c.width, emitted, c.ms, c.predicted_tokens, c.predicted_ms, h.shape is not None,
+                              c.gains, record.batch_size)
             if c.width == 0:
                 self._zero_cycles += 1
                 self._zero_rows += record.batch_size
@@ -546,6 +547,7 @@ class RunnerDCut(RunnerKnowledge):
         calibrated prefix scores (every draft for a probe), the table's verify cost for the kept tokens,
         the drafter's cost at the width and the engine's overhead."""
         decision = None if pending is None else pending.decision
+        cycle.gains = None if pending is None else pending.expected
         if decision is not None:
             drafts = int(decision.budget)
             tokens = float(decision.expected_accepted) + (0.0 if self.settings.count_bonus else bs)

@@ -45,6 +45,7 @@ class Cycle:
     clean: bool = False  # the engine went straight on to the next step
     predicted_tokens: float = 0.0  # what the decision expected the cycle to emit, and to cost (ms)
     predicted_ms: float = 0.0
+    gains: np.ndarray | None = None  # what each position of the block is worth per request (None: nothing drafted)
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dcut.learned import RealizedCell
 from dcut.width.acceptance import OPTIMISM
 from dcut.width.choice import WidthChoice
@@ -21,6 +23,9 @@ STALL = 3.0  # a cycle is counted at most this many times its predicted time (lo
 # predicted by more than ``shift`` (``DCutSettings.speed_shift``). Not one stall (capped above), nor a few: a run no
 # noise on a steady machine makes.
 SHIFT_RUN = 8
+# The weight of a drafted block in its bucket's recent gains per position (about the last 8 blocks), and the ticks
+# (cycles of the bucket, per 1/RECENT) over which what they say halves in weight (width 0 drafts nothing new).
+RECENT = 0.125
 
 
 @dataclass
@@ -50,6 +55,20 @@ class _Cell:
     # with ``rate_var``, what the width's estimate is uncertain by (``_spread``).
     ratio_var: float = 0.0
     time_var: float = 0.0
+    # What each position of the cycles' blocks was worth per request (``add``'s ``gains``), averaged as above, and
+    # the requests per cycle: the drafts' share of ``predicted_tokens``, which ``apply`` moves with the requests of now.
+    gains: np.ndarray | None = None
+    requests: float = 0.0
+
+
+@dataclass
+class _Recent:
+    """A bucket's recent blocks: what each position was worth per request (``RECENT``-weighted; positions past the
+    last block's ``width`` are older), and the bucket's tick at the last one."""
+
+    gains: np.ndarray
+    width: int
+    tick: int
 
 
 @dataclass
@@ -95,7 +114,11 @@ class RealizedRates:
     different moments are compared on what their drafts' confidences promised, which follows the
     requests of the moment far less noisily than what one step happened to accept (at bs 1 that
     swings a width's realized rate by half); the pooled ratio keeps the model honest, and
-    ``summary`` shows realized beside predicted per width.
+    ``summary`` shows realized beside predicted per width. What its confidences promised *then* is moved to the
+    requests of *now* (``_predicted_now``): by how much more or less the positions it drafted are worth in the
+    bucket's recent blocks. Without it, the width drafting in an easy stretch outshone one measured in a harder
+    one (replayed, deep pair at bs 4: width 15 held on 69 % of the steps, its estimate swinging 950-1,370 tok/s with
+    the requests while width 3's, measured earlier, stayed at 1,120; `joint` 0.969x fixed width 3).
 
     Means are long-run (a running mean, then an average over about ``1/weight`` cycles). What a
     width's measurement is worth fades with the cycles since it was taken (``fresh``, half-life
@@ -113,11 +136,13 @@ class RealizedRates:
         self._pooled: dict[int, list[float]] = {}  # realized and predicted tokens and ms, pooled per bucket
         self._ticks: dict[int, int] = {}
         self._probes: dict[tuple[int, int], _Probes] = {}
+        self._recent: dict[int, _Recent] = {}
 
     def add(self, bucket: int, width: int, tokens: float, ms: float, predicted_tokens: float,
-            predicted_ms: float, pure: bool = True) -> None:
+            predicted_ms: float, pure: bool = True, gains: np.ndarray | None = None, requests: int = 0) -> None:
         """One cycle of ``width``; ``pure``: its verification step held no prefill (only pure cycles can say the
-        machine changed speed: ``_Cell.pure_ms``)."""
+        machine changed speed: ``_Cell.pure_ms``). ``gains``: what each position of the cycle's block was worth per
+        request, calibrated (``dcut.width.acceptance.marginal_gains``; None at width 0), of ``requests`` requests."""
         if ms <= 0 or predicted_ms <= 0:
             return
         # A stall (a cold engine after another ran, a shape met for the first time, the OS) is not what the width
@@ -125,6 +150,8 @@ class RealizedRates:
         # the MoE pair: single cycles at 3.6-5x their predicted time, 19.5 ms against 4).
         ms = min(ms, STALL * predicted_ms)
         tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
+        if gains is not None and gains.size:
+            self._note_recent(bucket, gains, tick)
         rate = predicted_tokens / predicted_ms
         c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))
         if not pure or self.shift is None or not self._shifted(bucket, width, c, ms / predicted_ms):  # (the run's)
@@ -145,11 +172,25 @@ class RealizedRates:
             c.predicted_ms += w * (predicted_ms - c.predicted_ms)
             c.rate_var = _moved(c.rate_var, w, rate - c.rate)
             c.rate += w * (rate - c.rate)
+            if gains is not None and gains.size:
+                c.gains = np.array(gains, dtype=np.float64) if c.gains is None else c.gains + w * (gains - c.gains)
+            c.requests += w * (requests - c.requests) if c.n else requests - c.requests
             c.n += 1
         c.last = tick
         pool = self._pooled.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
         for i, value in enumerate((tokens, predicted_tokens, ms, predicted_ms)):
             pool[i] = pool[i] * (1.0 - self.weight) + value  # discounted sums: recent cycles weigh most
+
+    def _note_recent(self, bucket: int, gains: np.ndarray, tick: int) -> None:
+        """Fold a drafted block's ``gains`` into the bucket's recent ones (positions past its width keep theirs)."""
+        found = self._recent.get(bucket)
+        if found is None or found.gains.size < gains.size:
+            grown = np.array(gains, dtype=np.float64)
+            if found is not None:
+                grown[: found.gains.size] = found.gains
+            found = self._recent[bucket] = _Recent(grown, gains.size, tick)
+        found.gains[: gains.size] += RECENT * (gains - found.gains[: gains.size])
+        found.width, found.tick = gains.size, tick
 
     def _shifted(self, bucket: int, width: int, c: _Cell, ratio: float) -> bool:
         """Whether this cycle ends a run (``SHIFT_RUN``) that says the machine changed speed; if so, the width's
@@ -232,9 +273,25 @@ class RealizedRates:
                 # it rests on: at bs 64 a few cycles say what the width's drafts deliver; at bs 1 they do not.
                 own = self._averaged(cell) * bucket
                 ratio = (own * cell.tokens / cell.predicted_tokens + SHRINK_REQUESTS * pooled) / (own + SHRINK_REQUESTS)
-                c = WidthChoice(c.width, c.depth, cell.predicted_tokens * ratio, cell.ms)
+                c = WidthChoice(c.width, c.depth, self._predicted_now(bucket, cell) * ratio, cell.ms)
             out.append(c)
         return out
+
+    def _predicted_now(self, bucket: int, cell: _Cell) -> float:
+        """A width's predicted tokens a cycle, its drafts' share moved by how much more (or less) the positions
+        its blocks drafted are worth in the bucket's recent blocks than they were over its own cycles: a width
+        measured in an easy stretch of requests is not better for it than one measured in a hard one."""
+        recent = self._recent.get(bucket)
+        if recent is None or cell.gains is None or cell.requests <= 0:
+            return cell.predicted_tokens
+        t = min(recent.width, cell.gains.size)  # the positions both the width's blocks and the recent ones drafted
+        then = float(cell.gains[:t].sum())
+        if then <= 0:
+            return cell.predicted_tokens
+        # trusted less as it ages (width 0 drafts nothing): then, the width's own long-run prediction
+        trust = 0.5 ** ((self._ticks.get(bucket, 0) - recent.tick) * RECENT)
+        scale = 1.0 + trust * (float(recent.gains[:t].sum()) / then - 1.0)
+        return cell.requests + (cell.predicted_tokens - cell.requests) * scale
 
     def _averaged(self, cell: _Cell) -> float:
         """The cycles a cell's means rest on: all of them while a running mean, about ``1/weight`` once an EMA."""
@@ -322,7 +379,8 @@ class RealizedRates:
         """Every (bucket, width)'s measurement, for ``dcut.learned``."""
         return [RealizedCell(bucket=b, width=w, tokens=c.tokens, ms=c.ms, predicted_tokens=c.predicted_tokens,
                              predicted_ms=c.predicted_ms, rate=c.rate, rate_var=c.rate_var, n=c.n,
-                             ratio_var=c.ratio_var, time_var=c.time_var)
+                             ratio_var=c.ratio_var, time_var=c.time_var,
+                             gains=None if c.gains is None else c.gains.tolist(), requests=c.requests)
                 for (b, w), c in sorted(self._cells.items())]
 
     def load(self, cells: Sequence[RealizedCell]) -> None:
@@ -332,7 +390,9 @@ class RealizedRates:
             self._cells[(c.bucket, c.width)] = _Cell(c.tokens, c.ms, c.predicted_tokens, c.predicted_ms, c.rate,
                                                      c.rate_var, c.n, self._ticks.get(c.bucket, 0),
                                                      pure_ms=c.ms, pure_predicted_ms=c.predicted_ms, pure_n=c.n,
-                                                     ratio_var=c.ratio_var, time_var=c.time_var)
+                                                     ratio_var=c.ratio_var, time_var=c.time_var,
+                                                     gains=None if c.gains is None else np.array(c.gains),
+                                                     requests=c.requests)
             pool = self._pooled.setdefault(c.bucket, [0.0, 0.0, 0.0, 0.0])
             for i, value in enumerate((c.tokens, c.predicted_tokens, c.ms, c.predicted_ms)):
                 pool[i] += value * min(c.n, 1.0 / self.weight)

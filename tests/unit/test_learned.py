@@ -115,6 +115,19 @@ def test_merge_pools_the_spreads_of_what_cycles_delivered_and_took():
     assert rates.cells()[0].ratio_var == pytest.approx(cell.ratio_var)  # kept as loaded, handed on as kept
 
 
+def test_merge_weighs_what_a_widths_positions_were_worth_by_cycles():
+    """What each position of a width's blocks was worth (``RealizedRates``' yardstick for the requests of now):
+    weighted by cycles, over the replicas that kept it, and handed on as merged."""
+    a, b, old = _state(10, 0.9, 30, 3, 2.0), _state(10, 0.9, 30, 1, 2.0), _state(10, 0.9, 30, 5, 2.0)
+    a.realized[0] = a.realized[0].model_copy(update={"gains": [0.8, 0.4], "requests": 4.0})
+    b.realized[0] = b.realized[0].model_copy(update={"gains": [0.4, 0.0], "requests": 4.0})
+    (cell,) = merge([a, b, old]).realized  # (``old``: saved before gains were kept)
+    assert cell.gains == pytest.approx([0.7, 0.3]) and cell.requests == pytest.approx(4.0)
+    rates = RealizedRates()
+    rates.load([cell])
+    assert rates.cells()[0].gains == pytest.approx(cell.gains)
+
+
 def test_the_controller_hands_a_starting_replica_what_the_fleet_learned():
     fp = Fingerprint(hardware="cpu", model="m", drafter="d", k=2)
     table = CostTable(fp, {4: [(4, 1.0, 1), (12, 2.0, 1)]}).to_json()

@@ -325,6 +325,31 @@ def test_measured_widths_are_judged_on_predictions_corrected_by_what_was_realize
     assert summary["predicted_tokens_per_s"] == pytest.approx(2 * summary["tokens_per_s"])
 
 
+def test_a_width_measured_in_an_easy_stretch_is_judged_on_what_its_positions_are_worth_now() -> None:
+    """Width 3 measured while each request's first three drafts were worth 0.9 / 0.6 / 0.3 (1.8 accepted a block),
+    then width 15 drafted in a harder stretch, its first three worth half: width 3 is priced on the stretch of now,
+    its drafts' share of its tokens halved (in a replay, an easy stretch held a wide width against a narrow one
+    measured earlier). What the recent blocks say fades as they age (width 0 for long): width 3's own prediction
+    stands again."""
+    rates = RealizedRates(min_samples=1, min_requests=1)
+    easy, hard = np.array([0.9, 0.6, 0.3]), np.array([0.45, 0.3, 0.15, *([0.1] * 12)])
+    for _ in range(40):
+        rates.add(4, 3, tokens=11.2, ms=10.0, predicted_tokens=11.2, predicted_ms=10.0, gains=easy, requests=4)
+    choices = [WidthChoice(3, 3, 1.0, 1.0), WidthChoice(15, 15, 1.0, 1.0)]
+    before = rates.apply(4, choices)[0].tokens_per_s
+    assert before == pytest.approx(1120.0)
+    for _ in range(40):
+        rates.add(4, 15, tokens=9.0, ms=10.0, predicted_tokens=9.0, predicted_ms=10.0, gains=hard, requests=4)
+    now = rates.apply(4, choices)
+    assert now[0].tokens_per_s == pytest.approx(1000.0 * (4 + 7.2 * 0.5) / 10.0, rel=0.01)  # 760, not 1,120
+    assert now[1].tokens_per_s == pytest.approx(900.0, rel=0.01)  # the width drafting now: its own stretch
+    rates.add(4, 0, tokens=4.0, ms=5.0, predicted_tokens=4.0, predicted_ms=5.0)  # width 0: nothing is drafted,
+    assert 760.0 < rates.apply(4, choices)[0].tokens_per_s < 1120.0  # what drafts are worth now is less sure
+    for _ in range(80):  # and as it ages, width 3's own prediction stands again
+        rates.add(4, 0, tokens=4.0, ms=5.0, predicted_tokens=4.0, predicted_ms=5.0)
+    assert rates.apply(4, choices)[0].tokens_per_s == pytest.approx(before, rel=0.001)
+
+
 def test_measurements_fade_so_old_ones_are_worth_retaking() -> None:
     rates = RealizedRates(half_life=10.0)
     rates.add(1, 7, 4.0, 10.0, 4.0, 10.0)
