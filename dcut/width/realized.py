@@ -174,7 +174,7 @@ class RealizedRates:
             c.rate += w * (rate - c.rate)
             if gains is not None and gains.size:
                 c.gains = np.array(gains, dtype=np.float64) if c.gains is None else c.gains + w * (gains - c.gains)
-            c.requests += w * (requests - c.requests) if c.n else requests - c.requests
+            c.requests += w * (requests - c.requests)
             c.n += 1
         c.last = tick
         pool = self._pooled.setdefault(bucket, [0.0, 0.0, 0.0, 0.0])
