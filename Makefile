@@ -69,7 +69,7 @@ compare-floor: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
 		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/compare-floor
 
-# the MoE pair at bs 1 and 4, with the hooks' breakdown: its own D-Cut host work for the replay (~15 min here):
+# the MoE pair at bs 1 and 4, with where each mode's step time goes (D-Cut's host work on this pair) (~10 min here):
 # docs/compare-moe
 compare-moe: $(STAMP)
 	$(VENV)/bin/dcut compare --pair moe --bs 1,4 --modes none,full,dynamic,joint,joint-w0 --dynamic-schedule '1-4:15' \
