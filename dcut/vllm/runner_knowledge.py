@@ -45,6 +45,7 @@ class RunnerKnowledge:
     calibrators: dict[int, Calibrator]
     history: RequestHistory | None
     _decided: dict[int, Decided]
+    _held: dict[int, int]  # per covering batch size: the width hysteresis holds on to
     pooled_calibrator: Calibrator | None
     overhead: EngineOverhead
     cost_table: CostTable | None
@@ -156,11 +157,12 @@ class RunnerKnowledge:
 
     # -- reading ---------------------------------------------------------------------------
     def estimates(self) -> list[ThroughputEstimate]:
-        """Predicted tokens/s per profiled batch size from the cost table and live acceptance; mode ``joint``'s
-        corrected by what the bucket's recent cycles realized against what was predicted for them
-        (``RealizedRates.correction``), which the model alone cannot see: the steps a request's record sends to
-        width 0 (``RequestHistory``), exploration, a table that is off. Replayed on the MoE pair at bs 1 the model
-        said 756 tokens/s where 1,203 were delivered (corrected: 958); autoscaling reads these figures."""
+        """Tokens/s per profiled batch size. Mode ``joint``: where the width held there is measured, what its
+        cycles delivered (``RealizedRates.delivered``); elsewhere the model's best width from the cost table and
+        live acceptance, corrected by what the bucket's recent cycles realized against what was predicted for
+        them (``RealizedRates.correction``). The model's best is not what the policy drafts once it has measured
+        (replayed, deep pair at bs 16: the model said width 15 at 2,517 tokens/s, the policy held width 3, which
+        delivered 2,285, and the estimate read 15 % over); autoscaling reads these figures."""
         self.settle()
         table = self.cost_table
         if table is None or not len(self.window):
@@ -172,12 +174,19 @@ class RunnerKnowledge:
         survival = self.width_stats.survival()
         out = []
         for b in sizes:
-            best = choose_width(width_utilities(b, self.widths, survival, table.lookup_many, table.draft_costs,
-                                                self.overhead.ms), None, 0.0)
-            if best is not None and best.step_ms > 0:
-                tokens, ms = self.realized.correction(b)
-                rate = best.tokens_per_s * tokens / ms
-                out.append(ThroughputEstimate(b, best.tokens_per_step * tokens, best.step_ms * ms, rate, rate / b))
+            held = self._held.get(b)
+            found = None if held is None else self.realized.delivered(b, held)
+            if found is not None:
+                tokens, ms = found
+            else:
+                best = choose_width(width_utilities(b, self.widths, survival, table.lookup_many, table.draft_costs,
+                                                    self.overhead.ms), None, 0.0)
+                if best is None or best.step_ms <= 0:
+                    continue
+                ratio, time_ratio = self.realized.correction(b)
+                tokens, ms = best.tokens_per_step * ratio, best.step_ms * time_ratio
+            rate = 1000.0 * tokens / ms
+            out.append(ThroughputEstimate(b, tokens, ms, rate, rate / b))
         return out
 
     def _log_summary(self) -> None:

@@ -259,6 +259,14 @@ class RealizedRates:
             return 1.0, 1.0
         return pool[0] / pool[1], pool[2] / pool[3]
 
+    def delivered(self, bucket: int, width: int) -> tuple[float, float] | None:
+        """A measured width's realized tokens and ms a cycle (deferred work it was charged included); None where
+        it is not measured."""
+        cell = self._cells.get((bucket, width))
+        if cell is None or not self._measured(bucket, cell) or cell.ms <= 0:
+            return None
+        return cell.tokens, cell.ms
+
     def apply(self, bucket: int, choices: Sequence[WidthChoice | None]) -> list[WidthChoice | None]:
         """``choices`` with each measured width's predicted tokens corrected by the pooled tokens ratio, and
         its measured time: a step's time hardly varies with the requests of the moment, and where the cost

@@ -216,6 +216,27 @@ def test_joint_drafts_nothing_for_a_batch_whose_requests_lately_accepted_nothing
     assert r.held_width(2) == 4  # the held decision is the calibrated one; the history only skips its drafts
 
 
+def test_the_estimate_where_the_held_width_is_measured_is_what_it_delivered():
+    """Autoscaling reads ``estimates``. Where the held width has been measured, the figure is what its cycles
+    delivered, not the model's best width corrected (replayed, deep pair at bs 16: the model said width 15 at
+    2,517 tokens/s, the policy held width 3, which delivered 2,285); a batch size not yet met keeps the model's."""
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4], probe_share=0.0), FP, k=4)
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 10.1, 3)], 8: [(8, 10.0, 3), (40, 10.4, 3)]},
+                             draft={2: {0: (0.1, 1), 4: (0.2, 1)}, 8: {0: (0.1, 1), 4: (0.2, 1)}})
+    _step(r, {}, torch.zeros(2, 4))
+    model = {e.batch_size: e.tokens_per_s for e in r.estimates()}
+    held = r.held_width(2)
+    assert held == 4 and r.realized.delivered(2, held) is None  # nothing measured yet: the model's figure
+    # The held width's cycles: 3 tokens in 25 ms, where the kept drafts' confidences promised 4 in 10.2 (the model's
+    # survival curve promises more: it is not what the cycles' predictions rest on)
+    for _ in range(40):
+        r.realized.add(2, held, 3.0, 25.0, 4.0, 10.2)
+    estimates = {e.batch_size: e for e in r.estimates()}
+    assert estimates[2].tokens_per_s == pytest.approx(120.0)
+    assert (estimates[2].tokens_per_step, estimates[2].step_ms) == pytest.approx((3.0, 25.0))
+    assert estimates[8].tokens_per_s == pytest.approx(model[8])
+
+
 def test_a_cached_table_lacking_batch_sizes_gets_them_profiled_and_cached(tmp_path) -> None:
     """The fingerprint leaves out max_num_seqs: an engine of more sequences than the one that cached the table
     profiles the batch sizes it lacks (only those), and caches the union; one of fewer sequences profiles nothing."""
