@@ -162,7 +162,7 @@ class RunnerKnowledge:
         live acceptance, corrected by what the bucket's recent cycles realized against what was predicted for
         them (``RealizedRates.correction``). The model's best is not what the policy drafts once it has measured
         (replayed, deep pair at bs 16: the model said width 15 at 2,517 tokens/s, the policy held width 3, which
-        delivered 2,285, and the estimate read 15 % over); autoscaling reads these figures."""
+        delivered 2,285, and the estimate read 13 % over); autoscaling reads these figures."""
         self.settle()
         table = self.cost_table
         if table is None or not len(self.window):
