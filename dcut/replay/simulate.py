@@ -85,6 +85,30 @@ class Pools:
     def widths(self) -> list[int]:
         return sorted(self._pools)
 
+    @property
+    def requests(self) -> int:
+        """How many recorded requests a walk steps through (those with rows at every width)."""
+        return len(self._requests)
+
+    def span(self, request: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's (by index, ``0 .. requests - 1``) first and last recorded position."""
+        return self._starts[request], self._ends[request]
+
+    def row_at(self, width: int, request: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """Each request's row of ``pool(width)`` at ``position``: its last row recorded at or before it (its first
+        where none is)."""
+        keys, index = self._keys[width], self._index[width]
+        j = np.searchsorted(keys, request * self._span + position, side="right") - 1
+        first = np.searchsorted(keys, request * self._span, side="left")
+        return index[np.maximum(j, first).clip(max=len(keys) - 1)]
+
+    def context(self, positions: np.ndarray) -> float | None:
+        """A batch's mean context at ``positions``: the fixed one where given, None where the trace recorded
+        none (synthetic traces)."""
+        if self._fixed_context is not None:
+            return self._fixed_context
+        return float(positions.mean()) if self.recorded_context else None
+
     def pool(self, width: int) -> tuple[np.ndarray, np.ndarray]:
         """``(log_conf [n, width], accepted [n])``: every fully verified row drafted at ``width``."""
         return self._pools[width]
@@ -111,14 +135,14 @@ class Walk:
 
     def __init__(self, pools: Pools, bs: int, start: int = 0) -> None:
         self._pools, self.bs = pools, bs
-        n = len(pools._requests)
+        n = pools.requests
         self._request = (np.arange(bs) * max(1, n // bs) + start) % n
         # Slot i starts (i + phase) / bs of the way into its request (one request of all rows, where no context was
         # recorded: spread along it): a steady batch's requests are at every stage of their text, not all at their
         # start. Another ``start`` moves every slot to the next request and to another stage (a golden-ratio
         # phase: starts spread evenly, whatever their number).
         phase = (start * GOLDEN) % 1.0
-        starts, ends = pools._starts[self._request], pools._ends[self._request]
+        starts, ends = pools.span(self._request)
         self._position = starts + ((np.arange(bs) + phase) * (ends - starts + 1) // bs).astype(np.int64)
 
     def rows(self, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -132,29 +156,24 @@ class Walk:
     def row_index(self, width: int) -> np.ndarray:
         """Each slot's row of ``pool(width)``: its request's last row recorded at or before the slot's position
         (the request's first where none is)."""
-        keys, index = self._pools._keys[width], self._pools._index[width]
-        j = np.searchsorted(keys, self._request * self._pools._span + self._position, side="right") - 1
-        first = np.searchsorted(keys, self._request * self._pools._span, side="left")
-        return index[np.maximum(j, first).clip(max=len(keys) - 1)]
+        return self._pools.row_at(width, self._request, self._position)
 
     def advance(self, emitted: np.ndarray) -> None:
         """Each slot emitted ``emitted[i]`` tokens; a slot past its request's last row starts the next request."""
         pools = self._pools
         self._position = self._position + np.asarray(emitted, dtype=np.int64)
-        over = self._position > pools._ends[self._request]
+        over = self._position > pools.span(self._request)[1]
         if over.any():
-            if len(pools._requests) == 1:
-                span = pools._ends[0] - pools._starts[0] + 1
-                self._position[over] = pools._starts[0] + (self._position[over] - pools._starts[0]) % span
+            if pools.requests == 1:  # one request of all rows: wrap around it
+                (first,), (last,) = pools.span(np.zeros(1, dtype=np.int64))
+                self._position[over] = first + (self._position[over] - first) % (last - first + 1)
             else:
-                self._request[over] = (self._request[over] + 1) % len(pools._requests)
-                self._position[over] = pools._starts[self._request[over]]
+                self._request[over] = (self._request[over] + 1) % pools.requests
+                self._position[over] = pools.span(self._request[over])[0]
 
     def context(self) -> float | None:
         """The batch's mean context (None where the trace recorded none, as synthetic ones do)."""
-        if self._pools._fixed_context is not None:
-            return self._pools._fixed_context
-        return float(self._position.mean()) if self._pools.recorded_context else None
+        return self._pools.context(self._position)
 
 
 @dataclass(frozen=True)

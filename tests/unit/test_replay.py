@@ -186,7 +186,8 @@ def test_another_start_walks_other_requests_at_other_stages():
     another start moves every slot to another stage, and with several requests to the next request."""
     pools = Pools(trace())  # no context recorded: one request of every row
     first, other = pools.walk(4), pools.walk(4, start=1)
-    span = pools._ends[0] - pools._starts[0] + 1
+    (begin,), (end,) = pools.span(np.zeros(1, dtype=np.int64))
+    span = end - begin + 1
     assert first._position.tolist() == [i * span // 4 for i in range(4)]
     assert other._position.tolist() != first._position.tolist()
     two = from_rows(K, _phased_request(hard=2, easy=2) + [dict(s, ctx_len=[c + 1000 for c in s["ctx_len"]])
