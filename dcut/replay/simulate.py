@@ -90,8 +90,9 @@ class Pools:
         """How many recorded requests a walk steps through (those with rows at every width)."""
         return len(self._requests)
 
-    def span(self, request: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each request's (by index, ``0 .. requests - 1``) first and last recorded position."""
+    def span(self, request: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's (by index, ``0 .. requests - 1``; one index gives scalars) first and last recorded
+        position."""
         return self._starts[request], self._ends[request]
 
     def row_at(self, width: int, request: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -165,7 +166,7 @@ class Walk:
         over = self._position > pools.span(self._request)[1]
         if over.any():
             if pools.requests == 1:  # one request of all rows: wrap around it
-                (first,), (last,) = pools.span(np.zeros(1, dtype=np.int64))
+                first, last = pools.span(0)
                 self._position[over] = first + (self._position[over] - first) % (last - first + 1)
             else:
                 self._request[over] = (self._request[over] + 1) % pools.requests

@@ -186,7 +186,7 @@ def test_another_start_walks_other_requests_at_other_stages():
     another start moves every slot to another stage, and with several requests to the next request."""
     pools = Pools(trace())  # no context recorded: one request of every row
     first, other = pools.walk(4), pools.walk(4, start=1)
-    (begin,), (end,) = pools.span(np.zeros(1, dtype=np.int64))
+    begin, end = pools.span(0)
     span = end - begin + 1
     assert first._position.tolist() == [i * span // 4 for i in range(4)]
     assert other._position.tolist() != first._position.tolist()
