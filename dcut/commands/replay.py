@@ -24,6 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "the trace's (priced where the cost table has a context term)")
     parser.add_argument("--drift", help="FACTOR:STEPS: every case on a machine whose every cost is FACTOR times "
                         "slower on alternate stretches of STEPS steps, e.g. 1.5:150 (default: steady)")
+    parser.add_argument("--jitter", type=float, default=0.0, help="SIGMA: every step's every cost times a mean-one "
+                        "lognormal of this spread, drawn anew each step (live on this box: 0.1-0.25; default 0)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--starts", type=int, default=5, help="replay each cell from this many starts in the trace "
@@ -47,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--trace and --costs go together")
     if args.context is not None and (args.trace is None or args.context < 1):
         raise CommandError("--context is a custom case's (with --trace and --costs), at least 1")
-    drift = None if args.drift is None else _drift(args.drift)
+    if not 0.0 <= args.jitter <= 1.0:
+        raise CommandError(f"--jitter takes a spread in [0, 1], e.g. 0.15 (got {args.jitter})")
+    drift = _drift(args.drift, args.jitter)
     try:
         if args.trace is not None:
             cases = [custom_case(Path(args.trace), Path(args.costs), args.bs, args.context)]
@@ -65,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _drift(text: str):  # -> dcut.replay.simulate.Drift (imported here: the command line starts without numpy)
-    """``--drift FACTOR:STEPS``."""
+def _drift(text: str | None, jitter: float):  # -> Drift | None (imported here: the command line starts without numpy)
+    """``--drift FACTOR:STEPS`` and ``--jitter SIGMA``; None for a steady machine."""
     from dcut.replay.simulate import Drift
 
+    if text is None:
+        return Drift(jitter=jitter) if jitter else None
     factor, _, period = text.partition(":")
     try:
-        return Drift(float(factor), int(period))
+        return Drift(float(factor), int(period), jitter)
     except ValueError as e:
         raise CommandError(f"--drift takes FACTOR:STEPS with FACTOR > 0 and STEPS >= 1, e.g. 1.5:150 (got {text!r})"
                            ) from e

@@ -8,6 +8,7 @@ rules (``dcut.replay.anchors``) and the oracle. Everything is a pure function of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ def summarize(case: Case, cells: list[Cell]) -> dict[str, object]:
         })
     return {"name": case.name, "description": case.description, "batch_sizes": case.batch_sizes,
             **({"context": case.context} if case.context is not None else {}),
-            **({"drift": {"factor": case.drift.factor, "period": case.drift.period}} if case.drift else {}),
+            **({"drift": dataclasses.asdict(case.drift)} if case.drift else {}),
             "cost_model": {"name": case.cost.name, "fingerprint": case.cost.table.fingerprint.model_dump(),
                            "overhead": {"per_step_ms": case.cost.per_step_ms, "per_token_ms": case.cost.per_token_ms},
                            **({"host": case.cost.host.to_json()} if case.cost.host is not None else {}),

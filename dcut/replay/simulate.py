@@ -25,6 +25,7 @@ the cost model says.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from dcut.settings import DCutSettings
 from dcut.trace import Trace
 
 GOLDEN = (5 ** 0.5 - 1) / 2  # each start's stage phase: start * GOLDEN mod 1 (``Walk``)
+JITTER_STEPS = 1 << 16  # a drift's jitter draws (``Drift``)
 
 
 class Pools:
@@ -180,22 +182,47 @@ class Walk:
 @dataclass(frozen=True)
 class Drift:
     """The machine's speed wandering while a policy runs: every cost of a step multiplied by ``factor`` on alternate
-    stretches of ``period`` steps (the first stretch at speed). This box ran ~1.5x slower for an hour and back
-    (docs/compare-floor): a policy that compares widths measured at different moments must not take the machine's
-    moods for the widths' worth. Every policy, the oracles included, meets the same stretches at the same steps."""
+    stretches of ``period`` steps (the first stretch at speed), and by a mean-one lognormal of spread ``jitter``,
+    drawn anew each step (``seed``). This box ran ~1.5x slower for an hour and back (docs/compare-floor): a policy
+    that compares widths measured at different moments must not take the machine's moods for the widths' worth. And
+    its steps scatter: live at bs 64 a width's pure cycles' times spread 13-25 % about their mean, so a live policy
+    needs cycles to tell widths 5-10 % apart, where a replay without jitter tells them apart in a few (and does not
+    see what exploring costs). Every policy, the oracles included, meets the same stretches and draws at the same
+    steps."""
 
-    factor: float
-    period: int
+    factor: float = 1.0
+    period: int = 1
+    jitter: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.factor <= 0 or self.period < 1:
             raise ValueError("a drift needs factor > 0 and period >= 1 steps")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise ValueError("a jitter is a lognormal's spread, in [0, 1]")
 
     def __call__(self, step: int) -> float:
-        return self.factor if (step // self.period) % 2 else 1.0
+        stretch = self.factor if (step // self.period) % 2 else 1.0
+        return stretch * (_jittered(self.jitter, self.seed, step) if self.jitter else 1.0)
 
     def __str__(self) -> str:
-        return f"{self.factor:g}x on alternate stretches of {self.period} steps"
+        parts = []
+        if self.factor != 1.0:
+            parts.append(f"every cost {self.factor:g}x on alternate stretches of {self.period} steps")
+        if self.jitter:
+            parts.append(f"each step's every cost times a lognormal of spread {self.jitter:g} (seed {self.seed})")
+        return "; ".join(parts) or "steady"
+
+
+@functools.lru_cache(maxsize=4)
+def _draws(seed: int) -> np.ndarray:
+    """Standard normals, one per step (a cell walks fewer than ``JITTER_STEPS``; past them they repeat)."""
+    return np.random.default_rng(seed).standard_normal(JITTER_STEPS)
+
+
+def _jittered(sigma: float, seed: int, step: int) -> float:
+    """A mean-one lognormal factor of spread ``sigma``, the same for every policy at ``step``."""
+    return math.exp(sigma * float(_draws(seed)[step % JITTER_STEPS]) - 0.5 * sigma * sigma)
 
 
 class SimClock:

@@ -70,6 +70,21 @@ def test_a_drifting_machine_slows_every_cost_of_alternate_stretches():
         Drift(0.0, 5)
 
 
+def test_a_jittery_machine_scatters_each_step_alike_for_every_policy():
+    """Jitter multiplies each step's costs by its own draw: mean one over many steps, the same draw at the same step
+    (whichever policy, however often asked), another seed other draws; it changes times, not tokens."""
+    jitter = Drift(jitter=0.2, seed=3)
+    draws = np.array([jitter(n) for n in range(4000)])
+    assert draws.min() > 0 and draws.std() > 0.1 and draws.mean() == pytest.approx(1.0, abs=0.02)
+    assert jitter(17) == Drift(jitter=0.2, seed=3)(17) != Drift(jitter=0.2, seed=4)(17)
+    assert Drift(2.0, 5, jitter=0.2, seed=3)(7) == pytest.approx(2.0 * jitter(7))  # the stretch, then the draw
+    cost, pools = linear_cost(), Pools(trace())
+    steady, jittery = (run_cell(FixedWidth(2), 4, pools, cost, 15, 0, drift=d) for d in (None, jitter))
+    assert jittery.tokens == steady.tokens and jittery.ms != pytest.approx(steady.ms)
+    with pytest.raises(ValueError, match="spread"):
+        Drift(jitter=-0.1)
+
+
 @pytest.mark.parametrize("bs", (1, 4))
 def test_the_oracle_bounds_every_policy_on_a_drifting_machine(bs):
     cost, pools, drift = linear_cost(), Pools(trace()), Drift(3.0, 7)

@@ -18,6 +18,7 @@ from dcut.cli import main
     (["replay", "--drift", "1.5"], "--drift takes FACTOR:STEPS"),
     (["replay", "--drift", "0:100"], "--drift takes FACTOR:STEPS"),
     (["replay", "--drift", "fast:slow"], "--drift takes FACTOR:STEPS"),
+    (["replay", "--jitter", "-0.1"], "--jitter takes a spread"),
     (["trace", "--out", "x", "--trace-widths", "0,3"], ">= 1"),
     (["trace", "--out", "x", "--trace-widths", "3,31"], "<= K"),
     (["compare", "--out", "x", "--modes", "none,fastest"], "unknown modes"),
@@ -54,10 +55,14 @@ def test_a_drifting_case_is_slower_and_says_so(tmp_path, capsys):
     argv = ["replay", "--trace", f"{data}/deep-small.npz", "--costs", f"{data}/deep-small-costs.json", "--bs", "4",
             "--steps", "20", "--warmup", "0", "--json"]
     figures = []
-    for extra, out in (([], "steady"), (["--drift", "2:10"], "drift")):
+    cases = []
+    for extra, out in (([], "steady"), (["--drift", "2:10"], "drift"), (["--jitter", "0.2"], "jitter")):
         assert main([*argv, *extra, "--out", str(tmp_path / out)]) == 0
-        case = json.loads(capsys.readouterr().out)["cases"]["deep-small"]
-        figures.append({r["policy"]: r for r in case["rows"]})
-    assert case["drift"] == {"factor": 2.0, "period": 10}
+        cases.append(json.loads(capsys.readouterr().out)["cases"]["deep-small"])
+        figures.append({r["policy"]: r for r in cases[-1]["rows"]})
+    assert cases[1]["drift"] == {"factor": 2.0, "period": 10, "jitter": 0.0, "seed": 0}
     assert figures[1]["none"]["step_ms"] == pytest.approx(1.5 * figures[0]["none"]["step_ms"], rel=1e-3)
     assert "2x on alternate stretches of 10 steps" in (tmp_path / "drift" / "replay.md").read_text()
+    assert cases[2]["drift"]["jitter"] == 0.2 and "drift" not in cases[0]
+    assert figures[2]["none"]["step_ms"] != pytest.approx(figures[0]["none"]["step_ms"], rel=1e-3)
+    assert "lognormal of spread 0.2" in (tmp_path / "jitter" / "replay.md").read_text()
