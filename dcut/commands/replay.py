@@ -25,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift", help="FACTOR:STEPS: every case on a machine whose every cost is FACTOR times "
                         "slower on alternate stretches of STEPS steps, e.g. 1.5:150 (default: steady)")
     parser.add_argument("--jitter", type=float, default=0.0, help="SIGMA: every step's every cost times a mean-one "
-                        "lognormal of this spread, drawn anew each step (live on this box: 0.1-0.25; default 0)")
+                        "lognormal of this spread, drawn anew each step (default 0: steady; docs/replay-jitter)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--starts", type=int, default=5, help="replay each cell from this many starts in the trace "

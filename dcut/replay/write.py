@@ -25,7 +25,7 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: 
         plot_speedup([{"mode": r["policy"], "bs": r["bs"], "speedup_vs_none": r["speedup_vs_none"]}
                       for r in summary["rows"] if r["policy"] != "dynamic"],
                      out / f"{case.name}.png", f"replay: {case.name}")
-        drift = f" The machine drifts: {case.drift}." if case.drift else ""
+        drift = f" The machine's speed: {case.drift}." if case.drift else ""
         host = "" if case.cost.host is None else \
             f" D-Cut's host work, charged to the policies that decide with it: {case.cost.host.describe()}."
         md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.{drift}{host}\n",
