@@ -49,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--trace and --costs go together")
     if args.context is not None and (args.trace is None or args.context < 1):
         raise CommandError("--context is a custom case's (with --trace and --costs), at least 1")
-    if not 0.0 <= args.jitter <= 1.0:
-        raise CommandError(f"--jitter takes a spread in [0, 1], e.g. 0.15 (got {args.jitter})")
     drift = _drift(args.drift, args.jitter)
     try:
         if args.trace is not None:
@@ -73,8 +71,12 @@ def _drift(text: str | None, jitter: float):  # -> Drift | None (imported here: 
     """``--drift FACTOR:STEPS`` and ``--jitter SIGMA``; None for a steady machine."""
     from dcut.replay.simulate import Drift
 
+    try:
+        scatter = Drift(jitter=jitter)  # (``Drift`` bounds the spread)
+    except ValueError as e:
+        raise CommandError(f"--jitter takes a spread in [0, 1], e.g. 0.15 (got {jitter})") from e
     if text is None:
-        return Drift(jitter=jitter) if jitter else None
+        return scatter if jitter else None
     factor, _, period = text.partition(":")
     try:
         return Drift(float(factor), int(period), jitter)
