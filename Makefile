@@ -53,7 +53,7 @@ sweep: $(STAMP)
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/sweep-moe
 	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 64 --repeats 2 --pair deep --out docs/sweep-deep
 
-replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic, five starts per cell (~5 min): docs/replay
+replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic, five starts per cell (~16 min): docs/replay
 	$(VENV)/bin/dcut replay --out docs/replay
 
 # the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes

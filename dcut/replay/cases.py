@@ -2,6 +2,8 @@
 
 - ``deep-cpu``: the deep pair's recorded trace (``docs/replay/traces/deep``) against what the recording
   engine's steps cost on this kind of machine (``recorded_cost_model``);
+- ``deep-intel``: the same pair's trace recorded on the Intel Xeon box (``docs/replay/traces/deep-intel``, widths
+  1 / 3 / 7 / 15) against that box's own steps: another machine's costs;
 - ``moe-cpu``: the same for the MoE pair (``docs/replay/traces/moe``, bs 1 and 4): a drafter under-confident deep
   in its block, where a policy's calibration and width pricing are tested hardest;
 - ``h20-paper``: synthetic traces calibrated to the source document (``dcut.replay.synthetic``) against the
@@ -33,6 +35,7 @@ from dcut.trace import Trace
 
 DOCS = Path("docs/replay")
 DEEP_TRACE = DOCS / "traces" / "deep"
+DEEP_INTEL_TRACE = DOCS / "traces" / "deep-intel"
 MOE_TRACE = DOCS / "traces" / "moe"
 GPU_TINY = DOCS / "costs" / "gpu-script-tiny-cpu.json"
 CPU_HOST = DOCS / "costs" / "dcut-host-cpu.json"  # python -m dcut.replay.host --compare (a live breakdown)
@@ -123,14 +126,23 @@ def _h20(cost: CostModel) -> CostModel:
     return dataclasses.replace(cost, host=HostWork.load(WARM_HOST))
 
 
+def _recorded(name: str, trace_dir: Path, sizes: list[int], description: str) -> Case:
+    """A trace against what its recording engine's steps cost (``recorded_cost_model``), D-Cut's hooks at
+    ``CPU_HOST``."""
+    return Case(name, load_traces(trace_dir), recorded_cost_model(trace_dir, HostWork.load(CPU_HOST)), sizes,
+                description)
+
+
 def deep_cpu() -> Case:
-    return Case("deep-cpu", load_traces(DEEP_TRACE), recorded_cost_model(DEEP_TRACE, HostWork.load(CPU_HOST)), SIZES,
-                "deep pair, recorded on this CPU; this CPU's profiled costs")
+    return _recorded("deep-cpu", DEEP_TRACE, SIZES, "deep pair, recorded on this CPU (AMD EPYC); its costs")
+
+
+def deep_intel() -> Case:
+    return _recorded("deep-intel", DEEP_INTEL_TRACE, SIZES, "deep pair, recorded on the Intel Xeon box; its costs")
 
 
 def moe_cpu() -> Case:
-    return Case("moe-cpu", load_traces(MOE_TRACE), recorded_cost_model(MOE_TRACE, HostWork.load(CPU_HOST)), [1, 4],
-                "MoE pair, recorded on this CPU; this CPU's profiled costs")
+    return _recorded("moe-cpu", MOE_TRACE, [1, 4], "MoE pair, recorded on this CPU (AMD EPYC); its costs")
 
 
 def h20_paper() -> Case:
@@ -155,8 +167,9 @@ def gpu_script_tiny() -> Case:
                 "dcut/bench/gpu_costs.py's output format, run at a tiny shape on this CPU (format check, not figures)")
 
 
-CASES: dict[str, Callable[[], Case]] = {"deep-cpu": deep_cpu, "moe-cpu": moe_cpu, "h20-paper": h20_paper,
-                                        "deep-h20": deep_h20, "gpu-script-tiny": gpu_script_tiny}
+CASES: dict[str, Callable[[], Case]] = {"deep-cpu": deep_cpu, "deep-intel": deep_intel, "moe-cpu": moe_cpu,
+                                        "h20-paper": h20_paper, "deep-h20": deep_h20,
+                                        "gpu-script-tiny": gpu_script_tiny}
 
 
 def custom_case(trace: Path, costs: Path, batch_sizes: str | None, context: float | None = None) -> Case:

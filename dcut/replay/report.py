@@ -69,6 +69,11 @@ def policy_makers(case: Case, pools: Pools) -> Iterator[tuple[str, PolicyMaker, 
                            ("continuous", DCutSettings(mode="continuous")), ("joint", joint)):
         if max(widths) == k or name == "joint":
             yield name, lambda clock, n=name, s=settings: RunnerPolicy(n, s, cost, k, clock), False
+    # joint pinned at each width (live: ``dcut compare``'s joint-wN arms): against fixed-N, which verifies every draft,
+    # what D-Cut's cut is worth at that width; against joint, what its width choice is
+    for w in widths:
+        pinned = PRODUCT.model_copy(update={"widths": [w]})
+        yield f"joint-w{w}", lambda clock, n=f"joint-w{w}", s=pinned: RunnerPolicy(n, s, cost, k, clock), False
     avail = [0, *widths]
     yield "vllm-adaptive", lambda clock: anchors.VLLMAdaptive(cost, k, avail), False
     yield "sglang-adaptive", lambda clock: anchors.SGLangAdaptive(cost, k, avail), False

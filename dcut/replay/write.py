@@ -23,13 +23,14 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: 
             summary["paper_check"] = paper_check(summary)
         report["cases"][case.name] = summary
         plot_speedup([{"mode": r["policy"], "bs": r["bs"], "speedup_vs_none": r["speedup_vs_none"]}
-                      for r in summary["rows"] if r["policy"] != "dynamic"],
+                      for r in summary["rows"] if r["policy"] != "dynamic" and not r["policy"].startswith(PINNED)],
                      out / f"{case.name}.png", f"replay: {case.name}")
         drift = f" The machine's speed: {case.drift}." if case.drift else ""
         host = "" if case.cost.host is None else \
             f" D-Cut's host work, charged to the policies that decide with it: {case.cost.host.describe()}."
         md += [f"## {case.name}\n", f"{case.description}. Cost model `{case.cost.name}`.{drift}{host}\n",
-               markdown_table(summary), joint_widths_markdown(summary), f"![{case.name}]({case.name}.png)\n"]
+               markdown_table(summary), joint_widths_markdown(summary), pinned_markdown(summary),
+               f"![{case.name}]({case.name}.png)\n"]
         if "paper_check" in summary:
             md.append(paper_check_markdown(summary["paper_check"]))
     (out / "replay.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
@@ -38,6 +39,7 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: 
 
 
 BASELINES = ("none", "dynamic", "vllm-adaptive")  # with every fixed-K: what `joint` must never lose to
+PINNED = "joint-w"  # joint pinned at one width (``dcut.replay.report.policy_makers``): diagnostics, not baselines
 
 
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
@@ -76,3 +78,25 @@ def _against_best(joint: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def _hist(widths: dict[str, int]) -> str:
     return ", ".join(f"{w}: {n}" for w, n in widths.items())
+
+
+def pinned_markdown(summary: dict[str, Any]) -> str:
+    """Per batch size, ``joint`` pinned at each width over ``fixed`` at that width (both draft it; the fixed width
+    verifies every draft): what D-Cut's cut is worth there; and ``joint`` over the best pinned width: what its width
+    choice is worth. Live, ``dcut compare``'s ``joint-wN`` arms against ``dynamic`` and ``joint`` measure the same."""
+    cell = {(r["policy"], r["bs"]): r for r in summary["rows"]}
+    widths = [int(r["policy"][len(PINNED):]) for r in summary["rows"]
+              if r["policy"].startswith(PINNED) and r["bs"] == summary["batch_sizes"][0]]
+    if not widths:
+        return ""
+    lines = ["| bs | " + " | ".join(f"joint-w{w} / fixed-{w}" for w in widths) + " | joint / best pinned |",
+             "|---|" + "---|" * (len(widths) + 1)]
+    for b in summary["batch_sizes"]:
+        pinned = [cell[(f"{PINNED}{w}", b)] for w in widths]
+        cut = [f"{p['tokens_per_s'] / cell[(f'fixed-{w}', b)]['tokens_per_s']:.3f}" for w, p in zip(widths, pinned,
+                                                                                                       strict=True)]
+        best = max(pinned, key=lambda r: r["tokens_per_s"])
+        lines.append(f"| {b} | " + " | ".join(cut) +
+                     f" | {cell[('joint', b)]['tokens_per_s'] / best['tokens_per_s']:.3f} vs {best['policy']} |")
+    return ("`joint` pinned at one width: over `fixed` at that width, what D-Cut's cut is worth there; `joint` over "
+            "the best pinned width, what its width choice is worth.\n\n" + "\n".join(lines) + "\n")

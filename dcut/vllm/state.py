@@ -211,7 +211,8 @@ class RunnerDCut(RunnerKnowledge):
             return self.width
         if self.calibrating > 0:  # a probe: drafted at full width and verified in full (CALIBRATE_REQUESTS: why)
             self.calibrating -= bs
-            self.width, self.probe = self.k, True
+            # the widest it may draft: pinned at width 3, blocks of K taught no calibrator it reads and cost K's steps
+            self.width, self.probe = self.widths[-1], True
             return self.width
         self._choices += 1
         decision = self._decided.get(bs)

@@ -83,6 +83,17 @@ def test_a_fresh_runner_verifies_full_blocks_before_it_decides(case):
     assert sum(fresh.runner.pooled_calibrator.count[0].tolist()) >= CALIBRATE_REQUESTS - bs  # outcomes lag a step
 
 
+def test_a_runner_pinned_at_a_width_calibrates_at_that_width(case):
+    """Pinned at width 3 (``widths: [3]``), the calibrating start drafts width 3, whose calibrator it then reads:
+    blocks of K would teach no calibrator it uses, at the cost of K's steps."""
+    pools, bs, clock = Pools(case.trace), 4, SimClock()
+    pinned = Recording("joint-w3", JOINT.model_copy(update={"widths": [3]}), case.cost.for_policies(), case.trace.k,
+                       clock)
+    cell = run_cell(pinned, bs, pools, case.cost, steps=40, warmup=0, clock=clock)
+    assert set(cell.widths) == {3}
+    assert sum(pinned.runner.calibrators[3].count[0].tolist()) >= CALIBRATE_REQUESTS - bs
+
+
 def _state(reached: float, expected: float, requests: float, n: int, rate: float) -> LearnedState:
     return LearnedState(fingerprint="f", k=2, widths=[0, 2], reached=[[0, 0], [reached, reached]],
                         accepted=[[0, 0], [reached / 2, 0]], expected=[[0, 0], [expected, expected / 2]],

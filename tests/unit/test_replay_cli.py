@@ -45,8 +45,11 @@ def test_a_custom_case_replays_and_writes_the_report(tmp_path, capsys):
     assert len(rows["joint"]["converged_at_step"]) == 3
     k = rows["dynamic"]["k"]  # the best fixed width, each start's rate its own
     assert rows["dynamic"]["by_start"] == rows[f"fixed-{k}" if k else "none"]["by_start"]
+    pinned = {p: r for p, r in rows.items() if p.startswith("joint-w")}  # joint pinned at each traced width
+    assert pinned and all(set(r["widths"]) == {p[len("joint-w"):]} for p, r in pinned.items())
     md = (tmp_path / "replay.md").read_text()
     assert "from each of 3 starts" in md and "joint / best baseline (per start)" in md
+    assert "| joint-w3 / fixed-3 |" in md and "joint / best pinned" in md
     assert (tmp_path / "deep-small.png").exists()
 
 
