@@ -79,7 +79,7 @@ POOLED_UNTIL = 64  # first drafts a width's own calibrator must have seen before
 # Steps between re-pricings of every width's recent blocks under the calibration of now (``WidthStats.rescore``:
 # why). Calibration moves over hundreds of steps; one re-pricing costs about a millisecond of small CPU ops.
 RESCORE_STEPS = 64
-# Requests whose drafts a fresh engine verifies in full, at full width, before it decides anything: calibration
+# Requests whose drafts a fresh engine verifies in full, at its widest width, before it decides anything: calibration
 # from nothing. A drafter's raw confidence can be far off (the MoE pair's: raw about 0.05 deep in its block, accepted
 # 99 % of the time); judged on it, every drafting width looks worthless, width 0 is chosen, and the drafts that
 # would correct the calibration are never verified (replayed: joint at width 0 for 500 steps, 0.43x width 15).
@@ -209,7 +209,7 @@ class RunnerDCut(RunnerKnowledge):
         table = self.cost_table
         if not self.joint or table is None or bs <= 0:
             return self.width
-        if self.calibrating > 0:  # a probe: drafted at full width and verified in full (CALIBRATE_REQUESTS: why)
+        if self.calibrating > 0:  # a probe: drafted wide and verified in full (CALIBRATE_REQUESTS: why)
             self.calibrating -= bs
             # the widest it may draft: pinned at width 3, blocks of K taught no calibrator it reads and cost K's steps
             self.width, self.probe = self.widths[-1], True
