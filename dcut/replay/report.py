@@ -40,6 +40,7 @@ WARMUP = 100
 STARTS = 5
 REFERENCE = DCutSettings(mode="reference", count_bonus=False, calibrate=False)  # the reference implementation's U
 PRODUCT = DCutSettings(mode="joint")  # what app.config.yaml ships
+PINNED = "joint-w"  # + N: ``PRODUCT`` pinned at width N (``policy_makers``), a diagnostic arm, not a baseline
 
 
 @dataclass
@@ -73,7 +74,7 @@ def policy_makers(case: Case, pools: Pools) -> Iterator[tuple[str, PolicyMaker, 
     # what D-Cut's cut is worth at that width; against joint, what its width choice is
     for w in widths:
         pinned = PRODUCT.model_copy(update={"widths": [w]})
-        yield f"joint-w{w}", lambda clock, n=f"joint-w{w}", s=pinned: RunnerPolicy(n, s, cost, k, clock), False
+        yield f"{PINNED}{w}", lambda clock, n=f"{PINNED}{w}", s=pinned: RunnerPolicy(n, s, cost, k, clock), False
     avail = [0, *widths]
     yield "vllm-adaptive", lambda clock: anchors.VLLMAdaptive(cost, k, avail), False
     yield "sglang-adaptive", lambda clock: anchors.SGLangAdaptive(cost, k, avail), False

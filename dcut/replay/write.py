@@ -9,7 +9,7 @@ from typing import Any
 
 from dcut.plots import plot_speedup
 from dcut.replay.paper import paper_check, paper_check_markdown
-from dcut.replay.report import STARTS, Case, markdown_table, replay_case, summarize
+from dcut.replay.report import PINNED, STARTS, Case, markdown_table, replay_case, summarize
 
 
 def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: int = STARTS) -> dict[str, Any]:
@@ -39,7 +39,6 @@ def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: 
 
 
 BASELINES = ("none", "dynamic", "vllm-adaptive")  # with every fixed-K: what `joint` must never lose to
-PINNED = "joint-w"  # joint pinned at one width (``dcut.replay.report.policy_makers``): diagnostics, not baselines
 
 
 def joint_widths_markdown(summary: dict[str, Any]) -> str:
@@ -89,7 +88,7 @@ def pinned_markdown(summary: dict[str, Any]) -> str:
               if r["policy"].startswith(PINNED) and r["bs"] == summary["batch_sizes"][0]]
     if not widths:
         return ""
-    lines = ["| bs | " + " | ".join(f"joint-w{w} / fixed-{w}" for w in widths) + " | joint / best pinned |",
+    lines = ["| bs | " + " | ".join(f"{PINNED}{w} / fixed-{w}" for w in widths) + " | joint / best pinned |",
              "|---|" + "---|" * (len(widths) + 1)]
     for b in summary["batch_sizes"]:
         pinned = [cell[(f"{PINNED}{w}", b)] for w in widths]
