@@ -61,17 +61,21 @@ class RequestHistory:
                 accepted: Sequence[int]) -> None:
         """One step's verification: request i verified ``verified[i]`` drafts, which calibration expected to yield
         ``expected[i]`` accepted, and ``accepted[i]`` were. A request that verified nothing only ages."""
+        done_of, due_of, error, factored, blocks = self._accepted, self._expected, self._error, self._error_factored, 0
         for r, e, v, a in zip(req_ids, expected, verified, accepted, strict=True):
             if v <= 0:
-                self.idle((r,))
+                if r in due_of:
+                    done_of[r] *= IDLE
+                    due_of[r] *= IDLE
                 continue
-            done, due = self._accepted.get(r, 0.0), self._expected.get(r, 0.0)
+            done, due = done_of.get(r, 0.0), due_of.get(r, 0.0)
             predicted = min((done + PRIOR) / (due + PRIOR) * e, v)  # before this outcome is counted: out of sample
-            self._error = JUDGED * self._error + (a - e) ** 2
-            self._error_factored = JUDGED * self._error_factored + (a - predicted) ** 2
-            self.blocks += 1
-            self._accepted[r] = DECAY * done + a
-            self._expected[r] = DECAY * due + e
+            error = JUDGED * error + (a - e) ** 2
+            factored = JUDGED * factored + (a - predicted) ** 2
+            blocks += 1
+            done_of[r] = DECAY * done + a
+            due_of[r] = DECAY * due + e
+        self._error, self._error_factored, self.blocks = error, factored, self.blocks + blocks
 
     def idle(self, req_ids: Sequence[str]) -> None:
         """A step in which these requests verified nothing."""

@@ -94,24 +94,28 @@ class RequestSpeculation:
             out.append(cap)
         return out
 
-    def drafted(self, req_ids: list[str], caps: list[int], width: int) -> None:
-        """A drafting pass at ``width`` (0: none) for the requests of one step."""
-        for r, cap in zip(req_ids, caps, strict=True):
-            u = self.running.setdefault(r, SpeculationUsage())
+    def drafted(self, req_ids: list[str], caps: list[int] | None, width: int) -> None:
+        """A drafting pass at ``width`` (0: none) for the requests of one step, each within its cap (None: K)."""
+        running, usage = self.running, SpeculationUsage
+        for r, drafted in zip(req_ids, [min(width, self.k)] * len(req_ids) if caps is None else
+                              [min(width, cap) for cap in caps], strict=True):
+            u = running.get(r) or running.setdefault(r, usage())  # (setdefault alone builds one each call)
             u.steps += 1
-            u.drafted_tokens += min(width, cap)
+            u.drafted_tokens += drafted
 
     def verified(self, req_ids: list[str], counts: list[int]) -> None:
         """Drafts handed to the scheduler to verify next step, per request."""
+        running = self.running
         for r, n in zip(req_ids, counts, strict=True):
             if n:
-                self.running.setdefault(r, SpeculationUsage()).verified_tokens += n
+                (running.get(r) or running.setdefault(r, SpeculationUsage())).verified_tokens += n
 
     def accepted(self, req_ids: list[str], counts: list[int]) -> None:
         """Drafts the target accepted in the step just verified, per request."""
+        running = self.running
         for r, n in zip(req_ids, counts, strict=True):
             if n:
-                self.running.setdefault(r, SpeculationUsage()).accepted_tokens += n
+                (running.get(r) or running.setdefault(r, SpeculationUsage())).accepted_tokens += n
 
     def drop(self, req_ids: set[str]) -> None:
         """Requests that finished: their usage stays readable (the last ``KEPT_RECORDS``)."""

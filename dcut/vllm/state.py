@@ -188,8 +188,11 @@ class RunnerDCut(RunnerKnowledge):
                 self._cycle.clean = gap_ms <= self.overhead.max_ms  # not an idle engine
         self._draft_end = None
         self._step_bs = len(num_scheduled)
-        pure = all(n == 1 + len(spec_tokens.get(r, ())) for r, n in num_scheduled.items())
-        self._step_shape = (len(num_scheduled), sum(num_scheduled.values())) if pure else None
+        # Pure: each request scheduled its one token and its drafts, no more (a prefill schedules more). vLLM's
+        # scheduler trims a request's drafts to what it schedules, so none schedules fewer and the sums tell.
+        tokens = sum(num_scheduled.values())
+        pure = tokens == len(num_scheduled) + sum(map(len, spec_tokens.values()))
+        self._step_shape = (len(num_scheduled), tokens) if pure else None
 
     def choose_width(self, bs: int, scheduled_width: int, req_ids: list[str] | None = None) -> int:
         """The width to draft this step (host int, decided before drafting); starts the draft clock.
@@ -307,8 +310,7 @@ class RunnerDCut(RunnerKnowledge):
         ``context_lens``: each request's tokens so far (recorded in a trace); ``caps``: each request's cap on
         its drafts (``dcut.speculation``; None: K for all)."""
         self._caps = caps if caps is not None and min(caps, default=self.k) < self.k else None
-        self.requests.drafted(req_ids, caps or [self.k] * len(req_ids),
-                              self.width if log_conf is not None and log_conf.shape[-1] else 0)
+        self.requests.drafted(req_ids, caps, self.width if log_conf is not None and log_conf.shape[-1] else 0)
         self._draft_end = self._clock()
         self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
         self._draft_start = None
@@ -373,8 +375,12 @@ class RunnerDCut(RunnerKnowledge):
         if last.expected is None:
             self.history.idle(req_ids)
             return
-        expected = [last.expected[last.index[r]] if r in last.index else 0.0 for r in req_ids]
-        self.history.observe(req_ids, expected, verified, accepted)
+        aligned = last.rows(req_ids)
+        expected = last.expected
+        if aligned is not None:  # requests that drafted nothing last step expected nothing
+            (mine, theirs), expected = aligned, np.zeros(len(req_ids))
+            expected[mine] = last.expected[theirs]
+        self.history.observe(req_ids, expected.tolist(), verified, accepted)  # (floats: numpy scalars are slow)
 
     def _trace(self, req_ids: list[str], log_conf: Tensor | None, context_lens: list[int] | None) -> None:
         """Record this drafting pass, and what verification showed of the last one."""
@@ -403,17 +409,15 @@ class RunnerDCut(RunnerKnowledge):
         caps, self._caps = self._caps, None
         if any(drafts):  # (a width-0 step has nothing to cut or count)
             if pending is not None and pending.keep is not None and len(drafts) == pending.keep.shape[0]:
-                depths = pending.keep.tolist()
-                drafts = [d[:n] for d, n in zip(drafts, depths, strict=True)]
+                drafts = [d[:n] for d, n in zip(drafts, pending.keep.tolist(), strict=True)]
             if caps is not None and len(caps) == len(drafts):  # a request's cap holds in every mode, probes included
                 drafts = [d[:c] for d, c in zip(drafts, caps, strict=True)]
-            self.requests.verified(req_ids, [len(d) for d in drafts])
+            self.requests.verified(req_ids, list(map(len, drafts)))
         step_ms = (self._clock() - self._step_start) * 1000.0
         raw = None if pending is None else pending.log_conf
         self._record(pending, verified, step_ms, raw)
-        block = None if pending is None or pending.block is None else pending.block.tolist()
-        self._last = None if raw is None else LastDrafts({r: i for i, r in enumerate(req_ids)}, raw, raw.shape[-1],
-                                                         block)
+        block = None if pending is None else pending.block
+        self._last = None if raw is None else LastDrafts(list(req_ids), raw, raw.shape[-1], block)
         return drafts
 
     def _record(self, pending: Pending | None, verified: Verified | None, step_ms: float,
@@ -579,14 +583,13 @@ class RunnerDCut(RunnerKnowledge):
         calibrator = self.calibrators.get(verified.width)
         if last is None or calibrator is None:
             return
-        if len(last.index) == len(verified.req_ids) and all(
-                last.index.get(r) == i for i, r in enumerate(verified.req_ids)):  # the same batch, same order
+        aligned = last.rows(verified.req_ids)
+        if aligned is None:  # the same batch, same order
             conf, num_draft, accepted = last.log_conf, verified.num_draft, verified.accepted
         else:
-            rows = [(i, last.index[r]) for i, r in enumerate(verified.req_ids) if r in last.index]
-            if not rows:
+            mine, theirs = aligned
+            if not mine.size:
                 return
-            mine, theirs = (list(c) for c in zip(*rows, strict=True))
             conf, num_draft, accepted = last.log_conf[theirs], verified.num_draft[mine], verified.accepted[mine]
         for c in (calibrator, self.pooled_calibrator):
             if c is not None:

@@ -52,10 +52,20 @@ class Cycle:
 class LastDrafts:
     """The raw confidences of the drafts handed to the scheduler, for calibration next step."""
 
-    index: dict[str, int]
+    req_ids: list[str]  # the batch, in row order
     log_conf: np.ndarray  # [bs, width], float32
     width: int
-    expected: list[float] | None = None  # mode joint: what calibration expected of each row's kept drafts
+    expected: np.ndarray | None = None  # mode joint: what calibration expected of each row's kept drafts [bs]
+
+    def rows(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where the requests of ``req_ids`` that are in these drafts sit: their positions in ``req_ids`` and their
+        rows here. None when ``req_ids`` is this very batch, in order: the usual step, found by one list comparison
+        (a Python loop over the batch, cold, cost more than the calibration it feeds)."""
+        if req_ids == self.req_ids:
+            return None
+        index = {r: i for i, r in enumerate(self.req_ids)}
+        mine = [i for i, r in enumerate(req_ids) if r in index]
+        return np.array(mine, dtype=np.int64), np.array([index[req_ids[i]] for i in mine], dtype=np.int64)
 
 
 @dataclass

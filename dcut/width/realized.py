@@ -406,7 +406,10 @@ class RealizedRates:
                 pool[i] += value * min(c.n, 1.0 / self.weight)
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """``{"bucket/width": {tokens_per_s, predicted_tokens_per_s, samples}}``: realized beside predicted."""
+        """``{"bucket/width": {tokens_per_s, predicted_tokens_per_s, samples, tokens, ms, predicted_tokens,
+        predicted_ms}}``: realized beside predicted, and what a cycle emitted and took (which term is off)."""
         return {f"{b}/{w}": {"tokens_per_s": 1000.0 * c.tokens / c.ms,
-                             "predicted_tokens_per_s": 1000.0 * c.predicted_tokens / c.predicted_ms, "samples": c.n}
+                             "predicted_tokens_per_s": 1000.0 * c.predicted_tokens / c.predicted_ms, "samples": c.n,
+                             "tokens": c.tokens, "ms": c.ms, "predicted_tokens": c.predicted_tokens,
+                             "predicted_ms": c.predicted_ms}
                 for (b, w), c in sorted(self._cells.items())}

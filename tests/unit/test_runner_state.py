@@ -279,3 +279,28 @@ def test_a_decision_found_unchanged_is_held_twice_as_long_and_a_change_takes_it_
     assert holds[-1] == MAX_HOLD_STEPS > REDECIDE_STEPS
     assert _held_for(decided(5), last).hold == REDECIDE_STEPS  # another width: watched closely again
     assert _held_for(decided(None), last).hold == REDECIDE_STEPS  # no cost known: nothing to hold on to
+
+
+@pytest.mark.parametrize("order", [["a", "b"], ["b", "a"], ["b"]])
+def test_calibration_pairs_each_verified_block_with_its_own_drafts_whatever_the_batch_order(order: list[str]):
+    """Drafted as [a, b], verified in ``order`` (vLLM may reorder or drop requests between the two steps): a's
+    confident block was accepted whole and b's unsure one rejected, and the calibrator counts them at their own
+    confidences."""
+    r = RunnerDCut(DCutSettings(mode="full", calibrate=True), FP, k=4)
+    sure, unsure = 0.95, 0.35
+    r.begin_step({q: 1 for q in REQS}, {})
+    r.choose_width(2, 4)
+    r.on_drafted(REQS, torch.log(torch.tensor([[sure] * 4, [unsure] * 4])), None, None)
+    drafts = dict(zip(REQS, r.cut(REQS, [[1, 2, 3, 4], [5, 6, 7, 8]]), strict=True))
+    sampled = {"a": [11, 12, 13, 14, 15], "b": [21, -1, -1, -1, -1]}
+    r.begin_step({q: 5 for q in order}, {q: drafts[q] for q in order})
+    r.choose_width(len(order), 4)
+    r.on_drafted(order, None, torch.tensor([sampled[q] for q in order]), [4] * len(order))
+    r.cut(order, [[] for _ in order])
+    r.settle()
+    calibrator = r.calibrators[4]
+    at = {q: calibrator._bin(torch.tensor(p).numpy()) for q, p in (("a", sure), ("b", unsure))}
+    assert calibrator.count[0, at["b"]] == (1 if "b" in order else 0)
+    assert calibrator.accepted[0, at["b"]] == 0
+    assert calibrator.count[:, at["a"]].tolist() == ([1, 1, 1, 1] if "a" in order else [0, 0, 0, 0])
+    assert calibrator.accepted[:, at["a"]].tolist() == calibrator.count[:, at["a"]].tolist()
