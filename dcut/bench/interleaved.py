@@ -264,9 +264,12 @@ def _shifts_at(figures: dict[str, Any], bs: int) -> int:
 
 
 def _realized_at(width_realized: dict[str, dict[str, float]], bs: int) -> str:
-    """``width_realized`` entries of bucket ``bs`` (keys ``"bucket/width"``): realized / predicted (cycles)."""
+    """``width_realized`` entries of bucket ``bs`` (keys ``"bucket/width"``): realized / predicted (cycles), and a
+    cycle's tokens in its ms, realized / predicted, where the snapshot has them."""
     found = sorted((int(k.split("/")[1]), v) for k, v in width_realized.items() if k.split("/")[0] == str(bs))
-    return ", ".join(f"width {w}: {v['tokens_per_s']:.0f} / {v['predicted_tokens_per_s']:.0f} ({v['samples']:.0f})"
+    return ", ".join(f"width {w}: {v['tokens_per_s']:.0f} / {v['predicted_tokens_per_s']:.0f} ({v['samples']:.0f}"
+                     + (f"; {v['tokens']:.1f} / {v['predicted_tokens']:.1f} tokens in {v['ms']:.1f} / "
+                        f"{v['predicted_ms']:.1f} ms" if "ms" in v else "") + ")"
                      for w, v in found)
 
 

@@ -132,14 +132,17 @@ def test_the_report_shows_predicted_beside_realized_at_each_cells_own_bucket_and
     arms = arms_for(EngineSettings(), ["none", "joint"], None)
     cells, comparisons, _ = _summaries(runs, arms, [8], np.random.default_rng(0))
     cells[1]["width_realized"] = {"8/3": {"tokens_per_s": 1790.4, "predicted_tokens_per_s": 1829.0, "samples": 222},
-                                  "8/15": {"tokens_per_s": 2185.0, "predicted_tokens_per_s": 2156.0, "samples": 99},
+                                  "8/15": {"tokens_per_s": 2185.0, "predicted_tokens_per_s": 2156.0, "samples": 99,
+                                           "tokens": 20.54, "ms": 9.4, "predicted_tokens": 20.27, "predicted_ms": 9.4},
                                   "4/15": {"tokens_per_s": 1.0, "predicted_tokens_per_s": 2.0, "samples": 5}}
     cells[1]["width_histogram"], cells[1]["speed_shifts"] = {3: 400, 15: 112}, {"4": 1, "8": 2}  # (keys: JSON's)
     record = {"batch_sizes": [8], "modes": ["none", "joint"], "cells": cells, "comparisons": comparisons,
               "repeats": 2, "max_tokens": 128, "seed": 0, "schedule": None, "startup_s": {}, "traffic": "steady",
               "waves": 3, "min_window": 32, "machine": {"cpu": "test", "cores": 2, "torch": "x"}}
     text = markdown(record)
-    assert "- bs 8: width 3: 1790 / 1829 (222), width 15: 2185 / 2156 (99)" in text  # bucket 4 is another cell's
+    # bucket 4 is another cell's; a cycle's tokens and ms where the snapshot has them
+    assert "- bs 8: width 3: 1790 / 1829 (222), width 15: 2185 / 2156 (99; 20.5 / 20.3 tokens in 9.4 / 9.4 ms)" \
+        in text
     assert "- bs 8: {3: 400, 15: 112}, speed shifts noticed 2" in text
     assert "Traffic: steady (concurrency held at the batch size, 3 waves of requests per cell and at least 32 " \
            "admitted in the window" in text
