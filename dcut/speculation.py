@@ -62,7 +62,7 @@ class SpeculationUsage:
 
     steps: int = 0  # decode steps that verified drafts or could have (every step after its prefill)
     drafted_tokens: int = 0  # drafts the drafter produced for it, within its cap
-    verified_tokens: int = 0  # drafts handed to the target to verify, after D-Cut's cut
+    verified_tokens: int = 0  # drafts the target verified (what D-Cut's cut and the scheduler left)
     accepted_tokens: int = 0  # drafts the target accepted
 
     @property
@@ -94,28 +94,22 @@ class RequestSpeculation:
             out.append(cap)
         return out
 
-    def drafted(self, req_ids: list[str], caps: list[int] | None, width: int) -> None:
-        """A drafting pass at ``width`` (0: none) for the requests of one step, each within its cap (None: K)."""
+    def step(self, req_ids: list[str], caps: list[int] | None, width: int, verified: list[int] | None = None,
+             accepted: list[int] | None = None) -> None:
+        """One engine step of ``req_ids``: a drafting pass at ``width`` (0: none), each request within its cap (None:
+        K), and where the step verified drafts, how many each request had verified and accepted. One pass over the
+        batch: at bs 64 a pass cost about 0.1 ms with the caches a forward pass leaves cold, whatever its body."""
+        n = len(req_ids)
+        drafted = [min(width, self.k)] * n if caps is None else [min(width, cap) for cap in caps]
+        if verified is None or accepted is None:
+            verified = accepted = [0] * n
         running, usage = self.running, SpeculationUsage
-        for r, drafted in zip(req_ids, [min(width, self.k)] * len(req_ids) if caps is None else
-                              [min(width, cap) for cap in caps], strict=True):
+        for r, d, v, a in zip(req_ids, drafted, verified, accepted, strict=True):
             u = running.get(r) or running.setdefault(r, usage())  # (setdefault alone builds one each call)
             u.steps += 1
-            u.drafted_tokens += drafted
-
-    def verified(self, req_ids: list[str], counts: list[int]) -> None:
-        """Drafts handed to the scheduler to verify next step, per request."""
-        running = self.running
-        for r, n in zip(req_ids, counts, strict=True):
-            if n:
-                (running.get(r) or running.setdefault(r, SpeculationUsage())).verified_tokens += n
-
-    def accepted(self, req_ids: list[str], counts: list[int]) -> None:
-        """Drafts the target accepted in the step just verified, per request."""
-        running = self.running
-        for r, n in zip(req_ids, counts, strict=True):
-            if n:
-                (running.get(r) or running.setdefault(r, SpeculationUsage())).accepted_tokens += n
+            u.drafted_tokens += d
+            u.verified_tokens += v
+            u.accepted_tokens += a
 
     def drop(self, req_ids: set[str]) -> None:
         """Requests that finished: their usage stays readable (the last ``KEPT_RECORDS``)."""

@@ -310,7 +310,6 @@ class RunnerDCut(RunnerKnowledge):
         ``context_lens``: each request's tokens so far (recorded in a trace); ``caps``: each request's cap on
         its drafts (``dcut.speculation``; None: K for all)."""
         self._caps = caps if caps is not None and min(caps, default=self.k) < self.k else None
-        self.requests.drafted(req_ids, caps, self.width if log_conf is not None and log_conf.shape[-1] else 0)
         self._draft_end = self._clock()
         self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
         self._draft_start = None
@@ -321,17 +320,19 @@ class RunnerDCut(RunnerKnowledge):
         if finished is not None and self._verify_ms is not None:
             finished.ms += self._verify_ms
             self._finished_cycle = finished
+        width = self.width if log_conf is not None and log_conf.shape[-1] else 0
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
             accepted = np.maximum((sampled.cpu().numpy() != -1).sum(1) - 1, 0)
             counts = accepted.tolist()
             self._verified = Verified(list(req_ids), np.array(num_draft_tokens, dtype=np.int64), accepted,
                                       self._last.width, sum(counts))
-            self.requests.accepted(req_ids, counts)
+            self.requests.step(req_ids, caps, width, num_draft_tokens, counts)
             if self.history is not None:
                 self._observe_history(req_ids, num_draft_tokens, counts, self._last)
         else:
             self._verified = None
+            self.requests.step(req_ids, caps, width)
             if self.history is not None:
                 self.history.idle(req_ids)
         if self.tracer is not None:
@@ -407,12 +408,11 @@ class RunnerDCut(RunnerKnowledge):
         pending, self._pending = self._pending, None
         verified, self._verified = self._verified, None
         caps, self._caps = self._caps, None
-        if any(drafts):  # (a width-0 step has nothing to cut or count)
+        if any(drafts):  # (a width-0 step has nothing to cut)
             if pending is not None and pending.keep is not None and len(drafts) == pending.keep.shape[0]:
                 drafts = [d[:n] for d, n in zip(drafts, pending.keep.tolist(), strict=True)]
             if caps is not None and len(caps) == len(drafts):  # a request's cap holds in every mode, probes included
                 drafts = [d[:c] for d, c in zip(drafts, caps, strict=True)]
-            self.requests.verified(req_ids, list(map(len, drafts)))
         step_ms = (self._clock() - self._step_start) * 1000.0
         raw = None if pending is None else pending.log_conf
         self._record(pending, verified, step_ms, raw)

@@ -42,10 +42,8 @@ def test_usage_counts_drafted_within_the_cap_verified_and_accepted() -> None:
     args = {"a": None, "b": {EXTRA_ARG: 0}, "c": {EXTRA_ARG: 3}}
     caps = spec.caps_for(["a", "b", "c"], args.get)
     assert caps == [15, 0, 3]
-    spec.drafted(["a", "b", "c"], caps, width=7)
-    spec.verified(["a", "b", "c"], [5, 0, 3])
-    spec.accepted(["a", "b", "c"], [4, 0, 1])
-    spec.drafted(["a", "b", "c"], caps, width=0)
+    spec.step(["a", "b", "c"], caps, width=7)
+    spec.step(["c", "a", "b"], [caps[2], caps[0], caps[1]], 0, verified=[3, 5, 0], accepted=[1, 4, 0])
     usage = spec.usage("")
     assert usage["a"] == {"steps": 2, "drafted_tokens": 7, "verified_tokens": 5, "accepted_tokens": 4,
                           "acceptance_rate": 0.8}
@@ -56,13 +54,13 @@ def test_usage_counts_drafted_within_the_cap_verified_and_accepted() -> None:
 
 def test_finished_requests_stay_readable_and_bounded() -> None:
     spec = RequestSpeculation(k=3)
-    spec.drafted(["cmpl-1-0", "cmpl-1-1", "cmpl-2-0"], [3, 3, 3], width=3)
+    spec.step(["cmpl-1-0", "cmpl-1-1", "cmpl-2-0"], [3, 3, 3], width=3)
     spec.drop({"cmpl-1-0", "cmpl-1-1"})
     assert set(spec.usage("cmpl-1")) == {"cmpl-1-0", "cmpl-1-1"}  # one response, n=2
     assert set(spec.usage("cmpl-2")) == {"cmpl-2-0"}  # still running
     assert not spec.caps
     for i in range(KEPT_RECORDS + 5):
-        spec.drafted([f"r{i}"], [3], width=1)
+        spec.step([f"r{i}"], None, width=1)
         spec.drop({f"r{i}"})
     assert len(spec.finished) == KEPT_RECORDS
     assert "cmpl-1-0" not in spec.finished
