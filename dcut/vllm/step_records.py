@@ -60,7 +60,7 @@ class LastDrafts:
     def rows(self, req_ids: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
         """Where the requests of ``req_ids`` that are in these drafts sit: their positions in ``req_ids`` and their
         rows here. None when ``req_ids`` is this very batch, in order: the usual step, found by one list comparison
-        (a Python loop over the batch, cold, cost more than the calibration it feeds)."""
+        (it used to build and walk a dict of the batch every step, twice)."""
         if req_ids == self.req_ids:
             return None
         index = {r: i for i, r in enumerate(self.req_ids)}
