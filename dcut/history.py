@@ -62,11 +62,10 @@ class RequestHistory:
         """One step's verification: request i verified ``verified[i]`` drafts, which calibration expected to yield
         ``expected[i]`` accepted, and ``accepted[i]`` were. A request that verified nothing only ages."""
         done_of, due_of, error, factored, blocks = self._accepted, self._expected, self._error, self._error_factored, 0
+        idle = []
         for r, e, v, a in zip(req_ids, expected, verified, accepted, strict=True):
             if v <= 0:
-                if r in due_of:
-                    done_of[r] *= IDLE
-                    due_of[r] *= IDLE
+                idle.append(r)
                 continue
             done, due = done_of.get(r, 0.0), due_of.get(r, 0.0)
             predicted = min((done + PRIOR) / (due + PRIOR) * e, v)  # before this outcome is counted: out of sample
@@ -76,6 +75,7 @@ class RequestHistory:
             done_of[r] = DECAY * done + a
             due_of[r] = DECAY * due + e
         self._error, self._error_factored, self.blocks = error, factored, self.blocks + blocks
+        self.idle(idle)  # (other requests than those judged: the order does not matter)
 
     def idle(self, req_ids: Sequence[str]) -> None:
         """A step in which these requests verified nothing."""
