@@ -22,9 +22,10 @@ class EngineOverhead:
     def __init__(self, window: int = 256, refit: int = 64, max_ms: float = 50.0) -> None:
         # ``refit``: a fit is a few small numpy ops, ~0.2 ms on a CPU engine with its caches cold after the forward
         # (every 16 samples it was 0.013 ms of each width-0 step at bs 1); the line moves over hundreds of steps.
-        # The last ``window`` samples in place, in ring order (a fit reads them as arrays: from a deque of
-        # tuples the conversion alone cost 70 us, every ``refit`` engine steps).
-        self._tokens, self._ms = np.zeros(window), np.zeros(window)
+        # The last ``window`` samples in place, in ring order: Python lists, a sample written each engine step (into
+        # numpy arrays, two scalar writes cost 0.012 ms of a width-0 step at bs 1, caches cold), read as arrays by
+        # a fit every ``refit`` steps (flat lists convert in microseconds; a deque of tuples took 70 us).
+        self._tokens, self._ms = [0.0] * window, [0.0] * window
         self._count = self._next = 0
         self.refit, self.max_ms = refit, max_ms
         self.per_step_ms, self.per_token_ms = 0.0, 0.0
@@ -46,7 +47,8 @@ class EngineOverhead:
 
     def _fit(self) -> None:
         n = self._count
-        self.per_step_ms, self.per_token_ms = linear_fit(self._tokens[:n], self._ms[:n], min_points=8, min_spread=0.2)
+        tokens, ms = np.array(self._tokens[:n], dtype=float), np.array(self._ms[:n], dtype=float)
+        self.per_step_ms, self.per_token_ms = linear_fit(tokens, ms, min_points=8, min_spread=0.2)
 
 
 def linear_fit(x: np.ndarray, y: np.ndarray, min_points: int = 2, min_spread: float = 0.0) -> tuple[float, float]:

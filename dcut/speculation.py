@@ -99,11 +99,15 @@ class RequestSpeculation:
         """One engine step of ``req_ids``: a drafting pass at ``width`` (0: none), each request within its cap (None:
         K), and where the step verified drafts, how many each request had verified and accepted. One pass over the
         batch, not one per count: each pass is a Python loop over the batch on the engine's critical path."""
+        running, usage = self.running, SpeculationUsage
+        if not width and (verified is None or accepted is None):  # a width-0 step after one: a step, no more
+            for r in req_ids:
+                (running.get(r) or running.setdefault(r, usage())).steps += 1
+            return
         n = len(req_ids)
         drafted = [min(width, self.k)] * n if caps is None else [min(width, cap) for cap in caps]
         if verified is None or accepted is None:
             verified = accepted = [0] * n
-        running, usage = self.running, SpeculationUsage
         for r, d, v, a in zip(req_ids, drafted, verified, accepted, strict=True):
             u = running.get(r) or running.setdefault(r, usage())  # (setdefault alone builds one each call)
             u.steps += 1

@@ -229,13 +229,13 @@ class RunnerDCut(RunnerKnowledge):
             self.width = self.widths[0]
             return self.width
 
-        fresh = functools.partial(self.realized.fresh, bucket)  # fresh cycles measured at a width, of bucket requests
-        explore = self.explorer.pick(chosen, self.widths, decision.optimistic, decision.step_ms.get,
-                                     self.settings.width_hysteresis)
+        explore = self.explorer.spend_on(chosen, decision.explore, decision.step_ms.get)
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width
-        probe = self.probes.probe(chosen, lambda w: self._full_step_ms(bs, w), fresh)
+        # (the least measured width goes first: fresh cycles measured at a width, of bucket requests)
+        probe = self.probes.pick(chosen, lambda w: self._full_step_ms(bs, w),
+                                 functools.partial(self.realized.fresh, bucket)) if self.probes.due() else None
         self.width, self.probe = (probe, True) if probe is not None else (self._gated(chosen, decision, req_ids),
                                                                           False)
         return self.width
@@ -255,7 +255,8 @@ class RunnerDCut(RunnerKnowledge):
 
     def _decide(self, bs: int, table: CostTable) -> Decided:
         """The width for steps of ``bs`` (None beyond the cost table), and what exploration weighs against it:
-        each width's optimistic tokens/s and estimated step time (``REDECIDE_STEPS`` says why it is held)."""
+        the width it would try, which rests on the decision alone, and each width's estimated step time
+        (``REDECIDE_STEPS`` says why it is held)."""
         bucket, verify_ms = table.covering(bs), functools.partial(table.lookup_many, context=self.context)
         if bucket is None:
             return Decided(self._choices, None, None)
@@ -270,8 +271,10 @@ class RunnerDCut(RunnerKnowledge):
         self._held[bucket] = chosen.width
         hopeful = utilities_at(bs, self.widths, self.width_stats.survival(OPTIMISM), costs, self.overhead.ms)
         zero = next((c for c in estimates if c is not None and c.width == 0 and c.step_ms > 0), None)
-        return Decided(self._choices, bucket, chosen, self.realized.optimistic(bucket, hopeful),
-                       {c.width: c.step_ms for c in hopeful if c is not None}, zero)
+        explore = self.explorer.candidate(chosen, self.widths, self.realized.optimistic(bucket, hopeful),
+                                          self.settings.width_hysteresis)
+        return Decided(self._choices, bucket, chosen, explore, {c.width: c.step_ms for c in hopeful if c is not None},
+                       zero)
 
     def held_width(self, bs: int) -> int | None:
         """The width chosen (not explored or probed) for steps of ``bs``, which hysteresis holds on to; None

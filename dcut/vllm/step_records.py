@@ -88,12 +88,12 @@ class Held:
 class Decided:
     """A width decision for one batch size (mode joint), held for a few steps: taken at choice ``step``, the
     covering bucket (None: beyond the cost table), the chosen width (None: no cost known) and, for exploration,
-    each candidate width's optimistic tokens/s and estimated step time."""
+    the width it would try (``dcut.width.Explorer.candidate``) and each width's estimated step time."""
 
     step: int
     bucket: int | None
     chosen: WidthChoice | None
-    optimistic: list[float | None] = field(default_factory=list)
+    explore: int | None = None
     step_ms: dict[int, float] = field(default_factory=dict)
     zero: WidthChoice | None = None  # width 0's estimate, where it is a candidate
     hold: int = 0  # choices it is taken again after (``dcut.vllm.state.MAX_HOLD_STEPS``)

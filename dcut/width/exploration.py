@@ -53,13 +53,26 @@ class Explorer(_StepCredit):
              step_ms: Callable[[int], float | None], margin: float = 0.0) -> int | None:
         """A width to try this step, or None. ``margin``: what a width must beat the chosen one by to be chosen
         instead (the hysteresis)."""
+        return self.spend_on(chosen, self.candidate(chosen, widths, optimistic, margin), step_ms)
+
+    def candidate(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
+                  margin: float = 0.0) -> int | None:
+        """The width exploration would try next against ``chosen`` (the best optimistic rate that beats it by
+        ``margin``), or None. It depends only on the decision: taken once per decision, not once per step (on a
+        CPU engine, with its caches cold after the forward, a step's list of candidates cost 0.01 ms)."""
+        if self.share <= 0:
+            return None
         floor = (1.0 + margin) * chosen.tokens_per_s
         candidates = [(rate, w) for w, rate in zip(widths, optimistic, strict=True)
                       if w != chosen.width and rate is not None and rate > floor]
-        if not candidates or self.share <= 0:
+        return max(candidates)[1] if candidates else None
+
+    def spend_on(self, chosen: WidthChoice, width: int | None, step_ms: Callable[[int], float | None]) -> int | None:
+        """``width`` (``candidate``'s) to try this step, or None: this step's share is earned, and spent if it
+        covers the width's step."""
+        if width is None:
             return None
         self.credit += self.share
-        _, width = max(candidates)
         return width if self._spend(chosen, step_ms(width)) else None
 
 
@@ -82,11 +95,21 @@ class ProbeBudget(_StepCredit):
               samples: Callable[[int], float] | None = None) -> int | None:
         """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
         ``samples(w)``: how much is known of w already (the least known is probed first)."""
+        return self.pick(chosen, full_step_ms, samples) if self.due() else None
+
+    def due(self) -> bool:
+        """Earn this step's share; whether the credit may pay for a probe now (``pick`` then picks it). Apart so
+        that a step with no probe due builds nothing for ``pick``."""
         if self.share <= 0:
-            return None
+            return False
         self.credit += self.share
+        return self.credit >= 1.0
+
+    def pick(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
+             samples: Callable[[int], float] | None = None) -> int | None:
+        """``probe`` once ``due``: the width to probe, or None where there is none or it costs more than the credit."""
         candidates = [w for w in self.widths if w != chosen.width]
-        if not candidates or self.credit < 1.0:
+        if not candidates:
             return None
         rotated = candidates[self._next % len(candidates):] + candidates[: self._next % len(candidates)]
         width = min(rotated, key=samples) if samples is not None else rotated[0]

@@ -153,7 +153,9 @@ class RealizedRates:
         if gains is not None and gains.size:
             self._note_recent(bucket, gains, tick)
         rate = predicted_tokens / predicted_ms
-        c = self._cells.setdefault((bucket, width), _Cell(tokens, ms, predicted_tokens, predicted_ms, rate))
+        c = self._cells.get((bucket, width))  # (setdefault would build a cell each call)
+        if c is None:
+            c = self._cells[(bucket, width)] = _Cell(tokens, ms, predicted_tokens, predicted_ms, rate)
         if not pure or self.shift is None or not self._shifted(bucket, width, c, ms / predicted_ms):  # (the run's)
             if pure:
                 p = max(self.weight, 1.0 / (c.pure_n + 1))

@@ -221,6 +221,37 @@ def test_a_dear_width_waits_for_its_credit() -> None:
     assert sum(p is not None for p in picks) == 2  # each try costs 5 chosen steps: 20% of the time
 
 
+def test_a_decision_s_candidate_tried_step_by_step_spends_as_picking_each_step_does() -> None:
+    """The runner takes the candidate once per decision (``Explorer.candidate``) and spends on it each step
+    (``spend_on``): the same tries, at the same steps, as working the candidates out every step; and a decision
+    with nothing to try earns no credit, as before."""
+    chosen, widths, optimistic = WidthChoice(0, 0, 10.0, 10.0), [0, 3, 15], [1000.0, 3000.0, 5000.0]
+    each_step, per_decision = Explorer(share=0.3), Explorer(share=0.3)
+    candidate = per_decision.candidate(chosen, widths, optimistic)
+    assert candidate == 15
+    picked = [each_step.pick(chosen, widths, optimistic, lambda w: 5.0 * w) for _ in range(60)]
+    spent = [per_decision.spend_on(chosen, candidate, lambda w: 5.0 * w) for _ in range(60)]
+    assert picked == spent and 0 < sum(p is not None for p in spent) < 60
+    idle = Explorer(share=0.3)
+    assert idle.candidate(chosen, widths, [1000.0, 900.0, None]) is None
+    assert idle.spend_on(chosen, None, lambda w: 1.0) is None and idle.credit == 0.0
+    assert Explorer(share=0.0).candidate(chosen, widths, optimistic) is None
+
+
+def test_a_probe_is_picked_only_when_due_and_then_as_probe_picks_it() -> None:
+    """``ProbeBudget.due`` earns the step's share and says when a probe may be paid; ``pick`` then picks it, as
+    ``probe`` does in one call (the runner builds ``pick``'s callables only on a due step)."""
+    chosen = WidthChoice(3, 3, 40.0, 10.0)
+    one_call, two_calls = ProbeBudget([0, 3, 7], share=0.1), ProbeBudget([0, 3, 7], share=0.1)
+    probed = [one_call.probe(chosen, lambda w: 10.0) for _ in range(60)]
+    due = [two_calls.due() for _ in range(60)]
+    assert due.count(True) >= 6 and not any(due[:9])  # a credit of 0.1 a step reaches 1 at the tenth
+    two_calls = ProbeBudget([0, 3, 7], share=0.1)
+    split = [two_calls.pick(chosen, lambda w: 10.0) if two_calls.due() else None for _ in range(60)]
+    assert split == probed and {p for p in probed if p is not None} == {0, 7}
+    assert not ProbeBudget([0, 3], share=0.0).due()
+
+
 def test_realized_rates_replace_the_estimate_once_measured() -> None:
     rates = RealizedRates(min_samples=2, min_requests=8)
     estimate = [WidthChoice(0, 0, 16.0, 4.0), WidthChoice(3, 2, 40.0, 5.0)]  # width 3 looks better
