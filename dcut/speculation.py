@@ -100,7 +100,7 @@ class RequestSpeculation:
         K), and where the step verified drafts, how many each request had verified and accepted. One pass over the
         batch, not one per count: each pass is a Python loop over the batch on the engine's critical path."""
         running, usage = self.running, SpeculationUsage
-        if not width and (verified is None or accepted is None):  # a width-0 step after one: a step, no more
+        if not width and (verified is None or accepted is None):  # drafts nothing, verified nothing: a step, no more
             for r in req_ids:
                 (running.get(r) or running.setdefault(r, usage())).steps += 1
             return
