@@ -49,17 +49,12 @@ class Explorer(_StepCredit):
     def __init__(self, share: float = EXPLORE_SHARE) -> None:
         super().__init__(share)
 
-    def pick(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
-             step_ms: Callable[[int], float | None], margin: float = 0.0) -> int | None:
-        """A width to try this step, or None. ``margin``: what a width must beat the chosen one by to be chosen
-        instead (the hysteresis)."""
-        return self.spend_on(chosen, self.candidate(chosen, widths, optimistic, margin), step_ms)
-
     def candidate(self, chosen: WidthChoice, widths: Sequence[int], optimistic: Sequence[float | None],
                   margin: float = 0.0) -> int | None:
         """The width exploration would try next against ``chosen`` (the best optimistic rate that beats it by
-        ``margin``), or None. It depends only on the decision: taken once per decision, not once per step (on a
-        CPU engine, with its caches cold after the forward, a step's list of candidates cost 0.01 ms)."""
+        ``margin``, the hysteresis: short of that it could not be chosen), or None. It depends only on the decision:
+        taken once per decision, then ``spend_on`` each step (worked out every step, on a CPU engine with its caches
+        cold after the forward, the list of candidates cost 0.01 ms a step)."""
         if self.share <= 0:
             return None
         floor = (1.0 + margin) * chosen.tokens_per_s
@@ -91,12 +86,6 @@ class ProbeBudget(_StepCredit):
         self.widths = list(widths)
         self._next = 0
 
-    def probe(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
-              samples: Callable[[int], float] | None = None) -> int | None:
-        """A width to probe this step, or None. ``full_step_ms(w)``: a step drafting and verifying w;
-        ``samples(w)``: how much is known of w already (the least known is probed first)."""
-        return self.pick(chosen, full_step_ms, samples) if self.due() else None
-
     def due(self) -> bool:
         """Earn this step's share; whether the credit may pay for a probe now (``pick`` then picks it). Apart so
         that a step with no probe due builds nothing for ``pick``."""
@@ -107,7 +96,9 @@ class ProbeBudget(_StepCredit):
 
     def pick(self, chosen: WidthChoice, full_step_ms: Callable[[int], float | None],
              samples: Callable[[int], float] | None = None) -> int | None:
-        """``probe`` once ``due``: the width to probe, or None where there is none or it costs more than the credit."""
+        """Once ``due``: the width to probe this step, or None where there is none or it costs more than the credit.
+        ``full_step_ms(w)``: a step drafting and verifying w; ``samples(w)``: how much is known of w already (the
+        least known is probed first)."""
         candidates = [w for w in self.widths if w != chosen.width]
         if not candidates:
             return None

@@ -126,18 +126,19 @@ def test_hysteresis_holds_the_current_width() -> None:
 def test_probes_cost_at_most_their_share() -> None:
     probes = ProbeBudget([0, 1, 3, 7], share=0.05)
     chosen = WidthChoice(0, 0, 4.0, 10.0)
-    taken = [probes.probe(chosen, lambda w: 10.0 + 10.0 * w) for _ in range(2000)]
+    taken = [probes.pick(chosen, lambda w: 10.0 + 10.0 * w) if probes.due() else None for _ in range(2000)]
     widths = [w for w in taken if w is not None]
     assert widths and set(widths) <= {1, 3, 7}  # never the chosen width
     time_spent = sum(10.0 + 10.0 * w - 10.0 for w in widths)
     assert time_spent <= 0.05 * 2000 * 10.0 * 1.01  # the extra time of probes stays within the share
-    assert ProbeBudget([0, 1], share=0.0).probe(chosen, lambda w: 1.0) is None
+    assert not ProbeBudget([0, 1], share=0.0).due()
 
 
 def test_probes_go_to_the_least_measured_width() -> None:
     probes = ProbeBudget([0, 1, 3], share=0.5)
     chosen = WidthChoice(0, 0, 4.0, 10.0)
-    taken = [probes.probe(chosen, lambda w: 10.0, lambda w: {1: 5, 3: 0}[w]) for _ in range(4)]
+    taken = [probes.pick(chosen, lambda w: 10.0, lambda w: {1: 5, 3: 0}[w]) if probes.due() else None
+             for _ in range(4)]
     assert [w for w in taken if w is not None] == [3, 3]
 
 
@@ -193,7 +194,8 @@ def test_the_explorer_tries_only_widths_whose_bound_beats_the_choice_until_it_no
     bound = {0: 1000.0, 7: 5000.0, 15: 3900.0}
     picks = []
     for _ in range(40):
-        w = explorer.pick(chosen, widths, [bound.get(w, 4000.0) for w in widths], lambda w: 10.0)
+        w = explorer.spend_on(chosen, explorer.candidate(chosen, widths, [bound.get(w, 4000.0) for w in widths]),
+                              lambda w: 10.0)
         picks.append(w)
         if w is not None:
             bound[w] -= 125.0  # each cycle tightens its bound
@@ -208,47 +210,48 @@ def test_a_measured_width_behind_the_choice_is_tried_while_its_bound_clears_the_
     explorer = Explorer(share=1.0)
     chosen = WidthChoice(11, 11, 40.0, 40.0)  # 1000 tokens/s
     widths, optimistic = [3, 5, 11, 15], [1060.0, 1015.0, 1000.0, 990.0]
-    picks = {explorer.pick(chosen, widths, optimistic, lambda w: 40.0, 0.02) for _ in range(5)}
+    picks = {explorer.spend_on(chosen, explorer.candidate(chosen, widths, optimistic, 0.02), lambda w: 40.0)
+             for _ in range(5)}
     assert picks == {3}  # 5's bound (1.5 %) is inside the 2 % hysteresis; 15's is below the choice
-    assert {explorer.pick(chosen, widths, optimistic, lambda w: 40.0) for _ in range(5)} == {3}  # the best bound first
-    assert explorer.pick(chosen, widths, [1010.0, 1015.0, 1000.0, 990.0], lambda w: 40.0, 0.02) is None
+    assert {explorer.spend_on(chosen, explorer.candidate(chosen, widths, optimistic), lambda w: 40.0)
+            for _ in range(5)} == {3}  # the best bound first
+    assert explorer.candidate(chosen, widths, [1010.0, 1015.0, 1000.0, 990.0], 0.02) is None
 
 
 def test_a_dear_width_waits_for_its_credit() -> None:
     explorer = Explorer(share=0.2)
     chosen = WidthChoice(0, 0, 10.0, 10.0)
-    picks = [explorer.pick(chosen, [0, 15], [1000.0, 5000.0], lambda w: 50.0) for _ in range(50)]
+    candidate = explorer.candidate(chosen, [0, 15], [1000.0, 5000.0])
+    picks = [explorer.spend_on(chosen, candidate, lambda w: 50.0) for _ in range(50)]
     assert sum(p is not None for p in picks) == 2  # each try costs 5 chosen steps: 20% of the time
 
 
-def test_a_decision_s_candidate_tried_step_by_step_spends_as_picking_each_step_does() -> None:
+def test_a_decision_s_candidate_is_tried_as_its_credit_pays_for_it() -> None:
     """The runner takes the candidate once per decision (``Explorer.candidate``) and spends on it each step
-    (``spend_on``): the same tries, at the same steps, as working the candidates out every step; and a decision
-    with nothing to try earns no credit, as before."""
+    (``spend_on``): a width whose step costs 7.5 chosen steps, at a share of 0.3, is tried every 25 steps; a
+    decision with nothing to try earns no credit."""
     chosen, widths, optimistic = WidthChoice(0, 0, 10.0, 10.0), [0, 3, 15], [1000.0, 3000.0, 5000.0]
-    each_step, per_decision = Explorer(share=0.3), Explorer(share=0.3)
-    candidate = per_decision.candidate(chosen, widths, optimistic)
-    assert candidate == 15
-    picked = [each_step.pick(chosen, widths, optimistic, lambda w: 5.0 * w) for _ in range(60)]
-    spent = [per_decision.spend_on(chosen, candidate, lambda w: 5.0 * w) for _ in range(60)]
-    assert picked == spent and 0 < sum(p is not None for p in spent) < 60
+    explorer = Explorer(share=0.3)
+    candidate = explorer.candidate(chosen, widths, optimistic)
+    assert candidate == 15  # the best bound
+    spent = [explorer.spend_on(chosen, candidate, lambda w: 5.0 * w) for _ in range(60)]
+    assert [i for i, w in enumerate(spent) if w is not None] == [25, 50] and {w for w in spent if w} == {15}
     idle = Explorer(share=0.3)
     assert idle.candidate(chosen, widths, [1000.0, 900.0, None]) is None
     assert idle.spend_on(chosen, None, lambda w: 1.0) is None and idle.credit == 0.0
     assert Explorer(share=0.0).candidate(chosen, widths, optimistic) is None
 
 
-def test_a_probe_is_picked_only_when_due_and_then_as_probe_picks_it() -> None:
-    """``ProbeBudget.due`` earns the step's share and says when a probe may be paid; ``pick`` then picks it, as
-    ``probe`` does in one call (the runner builds ``pick``'s callables only on a due step)."""
+def test_a_probe_is_picked_only_when_due() -> None:
+    """``ProbeBudget.due`` earns the step's share and says when a probe may be paid; ``pick`` then picks it (the
+    runner builds ``pick``'s callables only on a due step): at a share of 0.1, a probe every 10 steps, rotating
+    over the widths other than the chosen one."""
     chosen = WidthChoice(3, 3, 40.0, 10.0)
-    one_call, two_calls = ProbeBudget([0, 3, 7], share=0.1), ProbeBudget([0, 3, 7], share=0.1)
-    probed = [one_call.probe(chosen, lambda w: 10.0) for _ in range(60)]
-    due = [two_calls.due() for _ in range(60)]
-    assert due.count(True) >= 6 and not any(due[:9])  # a credit of 0.1 a step reaches 1 at the tenth
-    two_calls = ProbeBudget([0, 3, 7], share=0.1)
-    split = [two_calls.pick(chosen, lambda w: 10.0) if two_calls.due() else None for _ in range(60)]
-    assert split == probed and {p for p in probed if p is not None} == {0, 7}
+    fresh = ProbeBudget([0, 3, 7], share=0.1)
+    assert not any(fresh.due() for _ in range(10))  # a credit of 0.1 a step reaches 1 after the tenth
+    probes = ProbeBudget([0, 3, 7], share=0.1)
+    taken = [probes.pick(chosen, lambda w: 10.0) if probes.due() else None for _ in range(60)]
+    assert [(i, w) for i, w in enumerate(taken) if w is not None] == [(10, 0), (20, 7), (30, 0), (40, 7), (50, 0)]
     assert not ProbeBudget([0, 3], share=0.0).due()
 
 
