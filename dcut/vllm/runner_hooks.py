@@ -38,7 +38,7 @@ class RunnerHooks:
         if settings is not None and runner.speculative_config is not None:
             dcut = RunnerDCut(settings, fingerprint_for(runner.vllm_config), runner.num_spec_tokens)
             if dcut.joint and settings.zero_width == "catch_up" and runner.speculative_config.method == "dflash":
-                stash = ContextStash()
+                stash = ContextStash(host=runner.device.type == "cpu")
         return cls(dcut, specexit, stash)
 
 

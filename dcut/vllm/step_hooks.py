@@ -100,9 +100,11 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
         # (summed in Python: numpy's mean of a few ints cost 85 us a step on the CPU engine, its caches cold after the
         # forward; the same float, the sum being exact)
         state.context = sum(context.tolist()) / len(req_ids) if len(req_ids) and state.settings.context_cost else None
-        caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests))
-        width = state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule, req_ids)
-        width = _agreed(self, min(width, max(caps, default=width)))  # never wider than the batch's largest cap
+        width = _agreed(self, state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule, req_ids))
+        # never wider than the batch's largest cap (caps are the requests', the same on every rank); at width 0 they
+        # bound nothing, and are not read
+        caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests)) if width else None
+        width = min(width, max(caps, default=width)) if caps else width
         state.width = width
         if width == 0 and stash is not None and torch.is_tensor(sampled_token_ids):
             _stash_context(self, stash, scheduler_output, req_ids, sampled_token_ids, hidden_states,
@@ -141,24 +143,24 @@ def _stash_context(runner: Any, stash: ContextStash, scheduler_output: Any, req_
     DFlash's own first pass writes context K/V for and attends to; a rejected draft's slot is
     written again when that position is decoded for real).
     """
-    n = scheduler_output.total_num_scheduled_tokens
-    # The target's outputs are fresh tensors every step (no CUDA graph on this path): keep views,
-    # concatenate at flush (one copy of many steps instead of one per step).
+    # The target's outputs are fresh tensors every step (no CUDA graph on this path): kept as views, sliced and
+    # concatenated at flush (one copy of many steps instead of one per step). Positions: the runner's 1-D buffer that
+    # ``GPUModelRunner._get_positions`` slices, sliced by the stash (M-RoPE's [3, n] positions are not handled here).
     hidden = aux_hidden_states if runner.use_aux_hidden_state_outputs else [hidden_states]
-    context = [h if h.shape[0] == n else h[:n] for h in hidden]  # (a view costs more than the check)
-    positions, slots = runner._get_positions(n), common_attn_metadata.slot_mapping[:n]
+    positions, slots = runner.positions, common_attn_metadata.slot_mapping
     counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
     drafted = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
     if drafted is None or not any(drafted):
-        stash.add(context, positions, slots, req_ids, counts)
+        stash.add(hidden, positions, slots, req_ids, counts)
         return
+    n = scheduler_output.total_num_scheduled_tokens
     drafted_t, counts_t = torch.tensor(drafted), torch.tensor(counts)
     accepted = ((sampled_token_ids != -1).sum(dim=1).cpu() - 1).clamp(min=0)
     rows = counts_t - drafted_t + torch.minimum(accepted, drafted_t)
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
     within = torch.arange(n) - (torch.cumsum(counts_t, 0) - counts_t)[owner]
-    keep = (within < rows[owner]).to(positions.device)
-    stash.add([h[keep] for h in context], positions[keep], slots[keep], req_ids, rows.tolist())
+    keep = (within < rows[owner]).to(slots.device)
+    stash.add([h[:n][keep] for h in hidden], positions[:n][keep], slots[:n][keep], req_ids, rows.tolist())
 
 
 def _extra_args(requests: dict[str, Any], req_id: str) -> dict | None:

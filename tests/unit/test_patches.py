@@ -172,12 +172,14 @@ def test_one_hooks_object_on_the_runner_and_its_drafter() -> None:
     def runner(extra: dict) -> NS:
         config = NS(additional_config=extra, speculative_config=spec, model_config=NS(model="m", dtype=torch.float32),
                     parallel_config=NS(tensor_parallel_size=1))
-        return NS(vllm_config=config, speculative_config=spec, num_spec_tokens=4, drafter=NS())
+        return NS(vllm_config=config, speculative_config=spec, num_spec_tokens=4, drafter=NS(),
+                  device=torch.device("cpu"))
 
     on = runner({"dcut": {"mode": "joint"}})
     hooks = hooks_for(on)
     assert hooks_for(on) is hooks and drafter_hooks(on.drafter) is hooks
     assert hooks.dcut is not None and hooks.dcut.k == 4 and hooks.specexit is None and hooks.stash is not None
+    assert hooks.stash.host  # a CPU engine's positions and slots are copied as numpy
     assert [a for o in (on, on.drafter) for a in vars(o) if "dcut" in a] == [ATTRIBUTE, ATTRIBUTE]
     plain = runner({})
     assert hooks_for(plain) == RunnerHooks(None, None, None) and not vars(plain.drafter)
