@@ -174,9 +174,17 @@ class Roofline:
     def draft_ms(self, bs: int, width: int) -> float:
         """The drafter's pass at ``width``: the context K/V projection of one new token per request, then (width > 0)
         its layers over bs * (width + 1) positions attending to context and block, and lm_head over bs * width rows.
-        Its fixed time is ``t0`` per layer pass of the target's (context projection counted as one layer)."""
+        Its fixed time is ``t0`` per layer pass of the target's (context projection counted as one layer).
+
+        Width 0 runs no pass: the engine stashes the step's rows and projects every stashed row in one batched pass
+        before the drafter next drafts (``dcut.vllm.catch_up``), so a width-0 step owes only its rows' share of that
+        pass, their flops; the pass's weight read and fixed time are paid once per run of width-0 steps. (Rows of
+        requests that finish before the pass are never projected; still charged here.)"""
         t, d = self.target, self.drafter
-        ops = [_matmul(d.context_params(t), bs, t.dtype_bytes)]
+        context = _matmul(d.context_params(t), bs, t.dtype_bytes)
+        if not width:
+            return self._roof_ms(np.asarray([(0.0, context[1])]))
+        ops = [context]
         passes = 1
         if width:
             shape, ctx, queries = d.shape(t), self.context + width + 1, bs * (width + 1)
@@ -318,11 +326,13 @@ def _notes(fits: dict[Form, tuple[Roofline, float]], roof: Roofline) -> list[str
         f"{d.context_params(t) / 1e6:.1f}M weights, bs rows; as the engine's profiler measures it, though a "
         "speculative step's accepted tokens make more rows) + for W > 0: the drafter's layers over bs x (W + 1) "
         f"positions (anchor + W masks) attending to its own {roof.context}-token context K/V and the block, "
-        "+ lm_head over bs x W rows; each operator at the same fitted roofline. Width 0 = the context projection "
-        "only (keeping the drafter's K/V in sync, as the engine's catch-up path does).",
+        "+ lm_head over bs x W rows; each operator at the same fitted roofline. Width 0 = the context projection's "
+        "flops for bs rows only: the engine's catch-up stash projects the rows of a run of width-0 steps in one "
+        "batched pass before the drafter next drafts (dcut.vllm.catch_up), so its weight read and fixed time are "
+        "paid once per run, not per step (rows of requests that finish first are never projected: still charged).",
         f"The drafter's fixed time: t0 / {t.layers} per layer pass (t0 taken as per-layer launch/latency cost): "
-        f"t0 x {1 + d.layers}/{t.layers} at W > 0 (context projection counted as one layer), t0 / {t.layers} at W = "
-        "0. The per-request term is not charged to the drafter: it belongs to verification.",
+        f"t0 x {1 + d.layers}/{t.layers} at W > 0 (context projection counted as one layer), none at W = 0. "
+        "The per-request term is not charged to the drafter: it belongs to verification.",
         f"Engine time outside the model: {ENGINE_PER_STEP_MS} ms per step and {ENGINE_PER_TOKEN_MS} ms per token: "
         "the seed's costs time whole steps, so the measuring engine's fixed per-step time is already in t0, and "
         "no H20 measurement of the scheduler between steps exists to add more.",

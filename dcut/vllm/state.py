@@ -233,9 +233,12 @@ class RunnerDCut(RunnerKnowledge):
         if explore is not None:  # drafted and verified as the policy would: measures what the width is worth
             self.width = explore
             return self.width
-        # (the least measured width goes first: fresh cycles measured at a width, of bucket requests)
-        probe = self.probes.pick(chosen, lambda w: self._full_step_ms(bs, w),
-                                 functools.partial(self.realized.fresh, bucket)) if self.probes.due() else None
+        # (the least measured width goes first: fresh cycles measured at a width, of bucket requests). None where
+        # width 0 is chosen and no width could beat it even optimistically: a probe could change nothing here.
+        hopeless = chosen.width == 0 and decision.explore is None
+        probe = None if hopeless or not self.probes.due() else \
+            self.probes.pick(chosen, lambda w: self._full_step_ms(bs, w),
+                             functools.partial(self.realized.fresh, bucket))
         self.width, self.probe = (probe, True) if probe is not None else (self._gated(chosen, decision, req_ids),
                                                                           False)
         return self.width

@@ -139,6 +139,26 @@ def test_hysteresis_holds_a_width_per_batch_size_bucket():
     assert r.held_width(9) is None  # beyond the table
 
 
+def test_no_probe_where_width_zero_is_chosen_and_no_width_could_beat_it():
+    """Probes verify a whole block wherever one is due, but at a batch size where width 0 is chosen and no width's
+    optimistic estimate beats it (drafting 30 ms against a 10 ms step), a probe could change nothing: none is taken,
+    however large the share. Where a width is chosen (bs 2, drafting nearly free), the share is still spent."""
+    r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 2, 4], probe_share=0.5), FP, k=4)
+    r.cost_table = CostTable(FP, {2: [(2, 10.0, 3), (10, 10.1, 3)], 8: [(8, 10.0, 3), (40, 80.0, 3)]},
+                             draft={2: {0: (0.1, 1), 4: (0.2, 1)}, 8: {0: (0.1, 1), 4: (30.0, 1)}})
+
+    def widths(bs: int) -> list[tuple[int, bool]]:
+        taken = []
+        for _ in range(40):
+            r.begin_step({f"r{i}": 1 for i in range(bs)}, {})
+            taken.append((r.choose_width(bs, 4), r.probe))
+        return taken
+
+    assert widths(8) == [(0, False)] * 40
+    assert r.held_width(8) == 0
+    assert any(probe for _, probe in widths(2))
+
+
 def test_a_catch_up_flush_is_charged_to_width_zero_not_to_the_drafting_width():
     clock = [0.0]
     r = RunnerDCut(DCutSettings(mode="joint", calibrate=False, widths=[0, 4]), FP, k=4, clock=lambda: clock[0])
