@@ -147,11 +147,12 @@ def test_failures_carry_the_openai_error_message(loadtest_app, tmp_path):
 
 
 def test_report_of_every_arm(arm_apps, tmp_path):
-    """The real tooling, briefly: each arm at 2 users and at 3 requests/s, the report written from it."""
+    """The real tooling, briefly: each arm at 2 users and at 3 requests/s, the report written from it. Windows of
+    4 s: in 2 s windows, a clean clone run beside a replay on this 2-core box saw `none` at 3/s finish no request."""
     from loadtest import run
     from loadtest.report import write_report
 
-    opts = run.parse_args(["--users", "2", "--rates", "3", "--repeats", "1", "--duration", "2", "--ramp", "1",
+    opts = run.parse_args(["--users", "2", "--rates", "3", "--repeats", "1", "--duration", "4", "--ramp", "1",
                            "--max-tokens", "4:12", "--prompt-chars", "16:120", "--seed", "1",
                            "--status-timeout", "5", "--ttft-ms", "60000", "--tpot-ms", "10000"])
     work, out = tmp_path / "work", tmp_path / "report"
@@ -161,7 +162,7 @@ def test_report_of_every_arm(arm_apps, tmp_path):
         target = run.Target(base, KEY, MODEL)
         run.measure_arm(arm, [run.Point("users", 2)], lambda: [3.0], target, opts, work, _get_json(base), runs)
     run.copy_raw(runs, work, out)
-    record = write_report(out, runs, {"setup": {"repeats": 1, "ramp_s": 1, "duration_s": 2, "work": str(work),
+    record = write_report(out, runs, {"setup": {"repeats": 1, "ramp_s": 1, "duration_s": 4, "work": str(work),
                                                 "objectives": {"ttft_ms": 60000, "tpot_ms": 10000}},
                                       "arms": {}, "machine": {}})
 
@@ -172,7 +173,7 @@ def test_report_of_every_arm(arm_apps, tmp_path):
         where = f"{p['arm']} {p['kind']} {p['load']}"
         assert s["requests"] > 0 and s["failures"] == 0, where
         assert 0 < s["goodput_requests_per_s"] <= s["requests_per_s"], where
-        # Tokens count where they arrive: in a 2 s window on a loaded box, the one good request that finished in it
+        # Tokens count where they arrive: in a short window on a loaded box, the one good request that finished in it
         # may have streamed every token before it (seen in a clean-clone run beside other jobs: `full` at 3/s).
         assert 0 <= s["goodput_tokens_per_s"] <= s["output_tokens_per_s"], where
         good_tokens[p["arm"]] += s["goodput_tokens_per_s"]
