@@ -184,15 +184,12 @@ class Roofline:
         context = _matmul(d.context_params(t), bs, t.dtype_bytes)
         if not width:
             return self._roof_ms(np.asarray([(0.0, context[1])]))
-        ops = [context]
-        passes = 1
-        if width:
-            shape, ctx, queries = d.shape(t), self.context + width + 1, bs * (width + 1)
-            ops += [_matmul(shape.layers * shape.layer_params, queries, t.dtype_bytes),
-                    _matmul(t.lm_head_params, bs * width, t.dtype_bytes),
-                    (float(bs * ctx * shape.kv_bytes_per_token), shape.attention_flops(queries, ctx))]
-            passes += d.layers
-        return self.t0_ms * passes / t.layers + self._roof_ms(np.asarray(ops))
+        shape, ctx, queries = d.shape(t), self.context + width + 1, bs * (width + 1)
+        ops = [context,
+               _matmul(shape.layers * shape.layer_params, queries, t.dtype_bytes),
+               _matmul(t.lm_head_params, bs * width, t.dtype_bytes),
+               (float(bs * ctx * shape.kv_bytes_per_token), shape.attention_flops(queries, ctx))]
+        return self.t0_ms * (1 + d.layers) / t.layers + self._roof_ms(np.asarray(ops))
 
 
 def _nonneg_lstsq(r: np.ndarray, x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
