@@ -18,11 +18,19 @@ from dcut.bench.interleaved import base_mode, bootstrap_median, verdict
 
 
 def pool(reports: list[dict[str, Any]], mode: str = "joint", against: tuple[str, ...] = ("none", "full", "dynamic"),
-         seed: int = 0) -> dict[str, Any]:
-    """``mode`` against each of ``against`` and the best of them per round, over every round of ``reports``."""
+         seed: int = 0, batch_sizes: list[int] | None = None) -> dict[str, Any]:
+    """``mode`` against each of ``against`` and the best of them per round, over every round of ``reports``; at
+    ``batch_sizes`` only, where given (every report must have run them: a run of one batch size pools with the full
+    runs' rounds there), else at the batch sizes they all ran alike."""
     if len(reports) < 2:
         raise ValueError("pooling takes at least two compare reports")
-    sizes = _common(reports, "batch_sizes")
+    if batch_sizes is None:
+        sizes = _common(reports, "batch_sizes")
+    else:
+        sizes = batch_sizes
+        missing = sorted({bs for r in reports for bs in sizes if bs not in r["batch_sizes"]})
+        if missing:
+            raise ValueError(f"not every report ran batch size {', '.join(map(str, missing))}")
     modes = {base_mode(m) for m in _common(reports, "modes")}
     missing = sorted({mode, *against} - modes)
     if missing:

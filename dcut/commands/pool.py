@@ -16,6 +16,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="joint", help="the mode judged (default: joint)")
     parser.add_argument("--against", default="none,full,dynamic", help="the modes it is judged against")
     parser.add_argument("--seed", type=int, default=0, help="seeds the bootstrap")
+    parser.add_argument("--bs", help="pool only these batch sizes, e.g. 1 or 1,8 (every report must have run them; "
+                        "default: the batch sizes all the reports ran alike)")
     parser.add_argument("--out", help="a folder to write pooled.json and pooled.md to")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
 
@@ -25,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         reports = [json.loads(Path(p).read_text()) for p in args.reports]
-        pooled = pool(reports, args.mode, tuple(m for m in args.against.split(",") if m), args.seed)
+        sizes = None if args.bs is None else [int(b) for b in args.bs.split(",") if b.strip()]
+        pooled = pool(reports, args.mode, tuple(m for m in args.against.split(",") if m), args.seed, sizes)
     except (OSError, ValueError, KeyError) as e:
         raise CommandError(f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)) from e
     pooled["reports"] = list(args.reports)

@@ -52,6 +52,22 @@ def test_reports_of_different_comparisons_are_refused():
         pool([b, b])
 
 
+def test_a_run_of_one_batch_size_pools_with_the_full_runs_there():
+    """A full run at bs 1 and 8 and a run of bs 1 alone: at ``batch_sizes=[1]`` the rounds of both pool (the full run's
+    bs-8 rounds left out); a batch size one report did not run is refused."""
+    rates = {"none": [100, 100], "joint-w0": [95, 97]}
+    full = report(rates, bs=1)
+    eight = report({"none": [10, 10], "joint-w0": [20, 20]}, bs=8)
+    full = {**full, "batch_sizes": [1, 8], "runs": full["runs"] + eight["runs"]}
+    alone = report({"none": [100, 100, 100], "joint-w0": [96, 96, 96]}, bs=1)
+    (row,) = pool([full, alone], mode="joint-w0", against=("none",), batch_sizes=[1])["rows"]
+    assert row["bs"] == 1 and row["rounds"] == 5 and row["per_run"] == pytest.approx([0.96, 0.96])
+    with pytest.raises(ValueError, match="batch_sizes"):
+        pool([full, alone], mode="joint-w0", against=("none",))
+    with pytest.raises(ValueError, match="batch size 8"):
+        pool([full, alone], mode="joint-w0", against=("none",), batch_sizes=[1, 8])
+
+
 def test_the_command_writes_the_table_and_refuses_bad_input(tmp_path, capsys):
     rates = {"none": [50, 51, 49], "full": [40, 41, 39], "dynamic": [100, 90, 95], "joint": [105, 99, 101]}
     paths = []
@@ -65,3 +81,7 @@ def test_the_command_writes_the_table_and_refuses_bad_input(tmp_path, capsys):
     assert "at least two" in capsys.readouterr().err
     assert main(["pool", str(paths[0]), str(tmp_path / "nowhere.json")]) == 2
     assert "nowhere.json" in capsys.readouterr().err
+    assert main(["pool", *map(str, paths), "--bs", "8"]) == 0 and "pooled over 2 runs" in capsys.readouterr().out
+    assert main(["pool", *map(str, paths), "--bs", "4"]) == 2
+    assert "batch size 4" in capsys.readouterr().err
+    assert main(["pool", *map(str, paths), "--bs", "x"]) == 2
