@@ -49,38 +49,38 @@ serve: $(STAMP)
 	RAY_AUTH_MODE=disabled RAY_ADDRESS=local $(VENV)/bin/serve run $(CONFIG)
 
 sweep: $(STAMP)
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/sweep
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/sweep-moe
-	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 64 --repeats 2 --pair deep --out docs/sweep-deep
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair dense --out docs/experiments/2026-11-29-sweep-dense
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 128 --pair moe --out docs/experiments/2026-11-29-sweep-moe
+	$(VENV)/bin/dcut sweep --bs 1,4,8,16,32,64 --max-tokens 64 --repeats 2 --pair deep --out docs/experiments/2026-12-01-sweep-deep
 
-replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic, five starts per cell (~16 min): docs/replay
-	$(VENV)/bin/dcut replay --out docs/replay
+replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic, five starts per cell (~16 min): docs/results/replay
+	$(VENV)/bin/dcut replay --out docs/results/replay
 
 # the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
-# (~50 min here): docs/compare-deep
+# (~50 min here): docs/results/live
 compare: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
-		--out docs/compare-deep
+		--out docs/results/live
 
 # the width-0 floor, engines built A B B A so that their place in the process averages out (~50 min here):
-# docs/compare-floor
+# docs/results/floor
 compare-floor: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
-		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/compare-floor
+		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/results/floor
 
 # the MoE pair at bs 1 and 4, with where each mode's step time goes (D-Cut's host work on this pair) (~10 min here):
-# docs/compare-moe
+# docs/results/moe
 compare-moe: $(STAMP)
 	$(VENV)/bin/dcut compare --pair moe --bs 1,4 --modes none,full,dynamic,joint,joint-w0 --dynamic-schedule '1-4:15' \
-		--repeats 7 --max-tokens 128 --traffic steady --breakdown --out docs/compare-moe
+		--repeats 7 --max-tokens 128 --traffic steady --breakdown --out docs/results/moe
 
-compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/compare-deep-batch
+compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/experiments/2026-12-01-compare-deep-batch
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
-		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic batch --out docs/compare-deep-batch
+		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic batch --out docs/experiments/2026-12-01-compare-deep-batch
 
 loadtest: $(STAMP)
-	$(PY) -m loadtest.run --out docs/loadtest
+	$(PY) -m loadtest.run --out docs/experiments/2026-12-01-loadtest
 
 loadtest-quick: $(STAMP)
-	$(PY) -m loadtest.run --out docs/loadtest --quick
+	$(PY) -m loadtest.run --out docs/experiments/2026-12-01-loadtest --quick

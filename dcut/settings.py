@@ -66,7 +66,8 @@ class DCutSettings(BaseModel):
         "size's other widths, measured at the old speed, are measured again. None: never (a machine of one speed).")
     count_mixed_steps: bool = Field(
         False, description="Mode joint: a width's realized rate also counts the cycles whose verification step held "
-        "prefills (new requests). Off: live it lost to pure steps alone at bs 32 (docs/compare-mixed).")
+        "prefills (new requests). Off: live it lost to pure steps alone at bs 32 "
+        "(docs/experiments/2026-12-05-compare-mixed).")
     probe_share: float = Field(0.01, ge=0.0, lt=1.0, description="Share of step time spent on probe steps "
                                "(another width, verified in full) so acceptance stays known where D-Cut "
                                "does not draft or verify.")

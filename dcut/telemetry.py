@@ -212,7 +212,7 @@ def capacity(estimates: Iterable[ThroughputEstimate], min_request_rate: float,
     it; one request when none does; 0 without estimates). In ``demand``'s units (requests x the objective rate),
     so demand / capacity is the share of those request slots in use. The replica's total tokens/s would not do: at
     batch 16 it delivers ~6x the objective to each request, and a policy comparing requests x objective against
-    that planned ~6x more requests per replica than it can run at once (docs/autoscaling/)."""
+    that planned ~6x more requests per replica than it can run at once (docs/experiments/2026-12-01-autoscaling/)."""
     usable = [e for e in estimates if max_batch_size is None or e.batch_size <= max_batch_size]
     if not usable:
         return 0.0

@@ -78,8 +78,9 @@ def latest_capacities(raw_metrics: dict | None, aggregated: dict) -> list[float]
     """Each replica's last reported capacity (``raw_metrics``: the samples of its last push), else its look-back
     mean. A replica reports a default capacity until its first estimates; averaged over the look-back, that default
     understates every freshly started replica for a whole window, so after a large scale-up the policy asked for up
-    to a third more replicas than needed (docs/autoscaling/). Capacity moves slowly (a cost table and a window of
-    steps): the latest figure is the best one; demand keeps the look-back mean, which smooths its noise."""
+    to a third more replicas than needed (docs/experiments/2026-12-01-autoscaling/). Capacity moves slowly (a cost
+    table and a window of steps): the latest figure is the best one; demand keeps the look-back mean, which smooths
+    its noise."""
     series = (raw_metrics or {}).get(CAPACITY_KEY)
     if series:
         return [s[-1].value for s in series.values() if s]
@@ -107,7 +108,8 @@ def decide(current: int, demand: float, capacity_per_replica: float, target_util
     low = target_utilization * (1 - hysteresis)
     if utilization < low:
         # Land on the count nearest the middle of the dead band, never below what the target needs: landing on its
-        # upper edge (`needed`) let the next upward wiggle of the demand undo the downscale (docs/autoscaling/).
+        # upper edge (`needed`) let the next upward wiggle of the demand undo the downscale
+        # (docs/experiments/2026-12-01-autoscaling/).
         middle = (demand / (capacity_per_replica * target_utilization) + demand / (capacity_per_replica * low)) / 2
         fewer = min(max(math.floor(middle + 0.5), needed, 1), current)
         return fewer, ("down" if fewer < current else "floor")

@@ -32,7 +32,8 @@ class AutoscalingSettings(_Strict):
     request_tokens_per_s: float = Field(20.0, gt=0.0,
                                         description="Latency objective: decode rate one request is owed; "
                                         "demand = ongoing requests x this rate.")
-    upscale_delay_s: float = Field(5.0, ge=0.0, description="Defaults chosen by the simulator (docs/autoscaling).")
+    upscale_delay_s: float = Field(5.0, ge=0.0, description="Defaults chosen by the simulator "
+                                   "(docs/experiments/2026-12-01-autoscaling).")
     downscale_delay_s: float = Field(60.0, ge=0.0)
     look_back_period_s: float = Field(10.0, gt=0.0)
 

@@ -5,10 +5,12 @@
 - ``full``: every draft verified (``engine.dcut.mode: full``: D-Cut cuts nothing, only counts);
 - ``dynamic``: vLLM's own dynamic speculation, K per batch size (``engine.spec_schedule``), every draft
   of it verified (``engine.dcut.mode: full``, as ``dcut sweep``'s ``dynamic``); the schedule is the best
-  fixed K per batch size measured by a committed sweep (``dynamic_fixed_k`` of ``docs/sweep/sweep.json``,
-  through ``dcut.bench.sweep.best_k_schedule``), or given with ``--spec-schedule``;
+  fixed K per batch size measured by a committed sweep (``dynamic_fixed_k`` of
+  ``docs/experiments/2026-11-29-sweep-dense/sweep.json``, through ``dcut.bench.sweep.best_k_schedule``), or given
+  with ``--spec-schedule``;
 - ``joint``: D-Cut as shipped (``engine.dcut.mode: joint``, the default; the config's other D-Cut settings kept).
-  Called ``dcut`` before (committed reports under ``docs/loadtest`` and ``docs/routing`` keep that name).
+  Called ``dcut`` before (committed reports under ``docs/experiments/2026-12-01-loadtest`` and
+  ``docs/experiments/2026-11-30-routing`` keep that name).
 
 Every arm keeps the config's engine seed, models and deployment settings.
 """

@@ -1,7 +1,7 @@
 """The load-test report: four arms, fixed concurrency and open-loop request rates, repeats with spread.
 
-    python -m loadtest.run --out docs/loadtest           # the full report (~3 h on the 2-core CPU box)
-    python -m loadtest.run --out docs/loadtest --quick   # a look (~15 min): 8 and 32 users, 2 rates, 1 repeat, 20 s
+    python -m loadtest.run --out docs/experiments/2026-12-01-loadtest           # the full report (~3 h, 2 CPU cores)
+    python -m loadtest.run --out docs/experiments/2026-12-01-loadtest --quick   # a look (~15 min)
 
 For each arm (``loadtest/arms.py``: ``none``, ``full``, ``dynamic``, ``joint``) it writes the arm's config, starts
 ``serve run`` on it (its own local Ray, HTTP on 127.0.0.1 only), waits until every initial replica reports, then
@@ -306,7 +306,8 @@ def parse_args(argv=None):
                    help="arm dynamic: K per batch size, 'FROM-TO:K,...' (default: from --sweep)")
     p.add_argument("--sweep", type=Path, default=None,
                    help="arm dynamic: the sweep whose dynamic_fixed_k gives the best K per batch size (default: the "
-                   "committed sweep of the config's embedded pair, e.g. docs/sweep-deep/sweep.json)")
+                   "committed sweep of the config's embedded pair, e.g. "
+                   "docs/experiments/2026-12-01-sweep-deep/sweep.json)")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override the app's args for every arm (repeatable)")

@@ -6,6 +6,6 @@ replayed from a committed cost table and acceptance curve (no engines, no Ray in
   the replicas it starts and stops.
 - `run`: what a replica reports, one run of a trace, and its scores.
 - `report`: summaries over a step's push phases, the bars a knob setting must pass, the choice, tables and plots.
-- `__main__`: ``python -m simulator --out docs/autoscaling``: every trace at every fleet size, the knob
-  sweep, the chosen knobs.
+- `__main__`: ``python -m simulator --out docs/experiments/2026-12-01-autoscaling``: every trace at every fleet size,
+  the knob sweep, the chosen knobs.
 """

@@ -1,5 +1,6 @@
-"""``python -m simulator --out docs/autoscaling``: every trace at every fleet size under the app's
-knobs, a knob sweep at one fleet size, the knobs chosen from it; results.json, README.md and plots in ``--out``."""
+"""``python -m simulator --out docs/experiments/2026-12-01-autoscaling``: every trace at every fleet size under the
+app's knobs, a knob sweep at one fleet size, the knobs chosen from it; results.json, README.md and plots in
+``--out``."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, README.md and the plots")
     p.add_argument("--config", type=Path, default=Path("app.config.yaml"), help="app config: knobs, replica")
-    p.add_argument("--cost-table", type=Path, default=Path("docs/profile-deep/cost_table.json"))
-    p.add_argument("--acceptance", type=Path, default=Path("docs/sweep-deep/sweep.json"),
+    p.add_argument("--cost-table", type=Path, default=Path("docs/experiments/2026-12-01-profile-deep/cost_table.json"))
+    p.add_argument("--acceptance", type=Path, default=Path("docs/experiments/2026-12-01-sweep-deep/sweep.json"),
                    help="a `dcut sweep` JSON: the acceptance per position of its mode=full rows")
     p.add_argument("--fleets", type=_fleets, default=[1, 10, 100, 500], help="replicas the peak needs")
     p.add_argument("--traces", type=lambda t: [x.strip() for x in t.split(",") if x.strip()],

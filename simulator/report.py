@@ -1,5 +1,5 @@
 """What the runs add up to: summaries over a step's phases, the bars a knob setting must pass and the choice among
-those that do, the tables, the plots and the README of ``docs/autoscaling/``."""
+those that do, the tables, the plots and the README of ``docs/experiments/2026-12-01-autoscaling/``."""
 
 from __future__ import annotations
 

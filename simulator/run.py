@@ -23,7 +23,8 @@ from deployments.settings import AutoscalingSettings, EngineReplicaSettings
 from simulator.serve import DEPLOYMENT, Cohort, Fleet, MetricStream, metric_intervals, serve_decision
 from simulator.traces import Trace, TraceName
 
-STARTUP_S = 45.4  # engine start-up of the deep pair, measured (docs/sweep-deep/sweep.json: engine_startup_s)
+# engine start-up of the deep pair, measured (docs/experiments/2026-12-01-sweep-deep/sweep.json: engine_startup_s)
+STARTUP_S = 45.4
 WITHIN = 0.10  # "reached": within 10% of the replicas the demand needs
 QUEUED, TOTAL = "queued", "total"  # the handle's series: requests it queues, and all it holds
 
@@ -76,7 +77,7 @@ def load_settings(config: Path) -> tuple[EngineReplicaSettings, int]:
 
 
 class Scores(BaseModel):
-    """How one run followed the demand (definitions: docs/autoscaling/README.md)."""
+    """How one run followed the demand (definitions: docs/experiments/2026-12-01-autoscaling/README.md)."""
 
     decision_period_s: float  # Serve's metric push interval: new evidence to decide on comes this often
     reaction_s: float | None = None  # step: Serve's target within 10% of the replicas the demand needs

@@ -6,7 +6,7 @@ drafter in plain PyTorch and times their forward passes under CUDA graphs, as vL
 steps. It imports only the standard library and torch (>= 2.4), so a copy of this one file runs
 anywhere torch does, offline:
 
-    python dcut/bench/gpu_costs.py --out docs/replay/costs/h200-qwen3-8b-measured.json
+    python dcut/bench/gpu_costs.py --out docs/results/replay/costs/h200-qwen3-8b-measured.json
 
 On one H200 this should take about one minute, well under the 8-minute budget: the roofline
 estimate printed at start is ~40 s (224 shapes, each 16 forwards of 4-30 ms plus one graph capture,

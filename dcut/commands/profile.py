@@ -23,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-lens", type=lambda t: [int(c) for c in t.split(",") if c.strip()],
                         help="context lengths to profile the verify cost's growth with context at, e.g. 256,512,1007 "
                              "('' for none; default: about max-model-len/4 and /2 and max-model-len - K - 2)")
-    parser.add_argument("--out", default="docs/profile", help="output folder")
+    parser.add_argument("--out", default="docs/experiments/2026-11-29-profile-dense", help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dcut.cli import CommandError
 
-HELP = "Replay policies (ours, other engines' rules, the oracle) on traces and cost models; write docs/replay."
+HELP = "Replay policies (ours, other engines' rules, the oracle) on traces and cost models; write docs/results/replay."
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,14 +25,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drift", help="FACTOR:STEPS: every case on a machine whose every cost is FACTOR times "
                         "slower on alternate stretches of STEPS steps, e.g. 1.5:150 (default: steady)")
     parser.add_argument("--jitter", type=float, default=0.0, help="SIGMA: every step's every cost times a mean-one "
-                        "lognormal of this spread, drawn anew each step (default 0: steady; docs/replay-jitter)")
+                        "lognormal of this spread, drawn anew each step (default 0: steady; "
+                        "docs/experiments/2026-12-07-replay-jitter)")
     parser.add_argument("--steps", type=int, default=400, help="measured steps per cell (steady state)")
     parser.add_argument("--warmup", type=int, default=100, help="steps replayed before measuring")
     parser.add_argument("--starts", type=int, default=5, help="replay each cell from this many starts in the trace "
                         "(other requests, at other stages) and pool them; a comparison is paired per start")
     parser.add_argument("--no-host-work", action="store_true", help="charge no policy for D-Cut's host work a step "
                         "(the cost models' host term, dcut.replay.host): what the decisions alone are worth")
-    parser.add_argument("--out", default="docs/replay", help="report folder (replay.json, replay.md, plots)")
+    parser.add_argument("--out", default="docs/results/replay", help="report folder (replay.json, replay.md, plots)")
     parser.add_argument("--json", action="store_true", help="print the report JSON to stdout too")
 
 

@@ -29,7 +29,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"(default: {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--bs", default="1,16", help="batch sizes")
     parser.add_argument("--max-tokens", type=int, default=460)
-    parser.add_argument("--out", default="docs/specexit")
+    parser.add_argument("--out", default="docs/experiments/2026-12-01-specexit")
 
 
 def run(args: argparse.Namespace) -> int:

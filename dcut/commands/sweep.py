@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=REPEATS, help="timed runs per cell (median and spread)")
-    parser.add_argument("--out", default="docs/sweep")
+    parser.add_argument("--out", default="docs/experiments/2026-11-29-sweep-dense")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,11 +1,11 @@
 """The built-in replay cases: which trace meets which cost model.
 
-- ``deep-cpu``: the deep pair's recorded trace (``docs/replay/traces/deep``) against what the recording
+- ``deep-cpu``: the deep pair's recorded trace (``docs/results/replay/traces/deep``) against what the recording
   engine's steps cost on this kind of machine (``recorded_cost_model``);
-- ``deep-intel``: the same pair's trace recorded on the Intel Xeon box (``docs/replay/traces/deep-intel``, widths
-  1 / 3 / 7 / 15) against that box's own steps: another machine's costs;
-- ``moe-cpu``: the same for the MoE pair (``docs/replay/traces/moe``, bs 1 and 4): a drafter under-confident deep
-  in its block, where a policy's calibration and width pricing are tested hardest;
+- ``deep-intel``: the same pair's trace recorded on the Intel Xeon box (``docs/results/replay/traces/deep-intel``,
+  widths 1 / 3 / 7 / 15) against that box's own steps: another machine's costs;
+- ``moe-cpu``: the same for the MoE pair (``docs/results/replay/traces/moe``, bs 1 and 4): a drafter under-confident
+  deep in its block, where a policy's calibration and width pricing are tested hardest;
 - ``h20-paper``: synthetic traces calibrated to the source document (``dcut.replay.synthetic``) against the
   Qwen3-8B-on-H20 roofline fitted to its verify costs (``dcut.replay.roofline``): the paper check;
 - ``deep-h20``: the deep pair's trace against the H20 roofline (our drafter's acceptance, a GPU's costs);
@@ -33,7 +33,7 @@ from dcut.replay.host import HostWork
 from dcut.replay.report import Case
 from dcut.trace import Trace
 
-DOCS = Path("docs/replay")
+DOCS = Path("docs/results/replay")
 DEEP_TRACE = DOCS / "traces" / "deep"
 DEEP_INTEL_TRACE = DOCS / "traces" / "deep-intel"
 MOE_TRACE = DOCS / "traces" / "moe"

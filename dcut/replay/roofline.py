@@ -6,7 +6,8 @@ done, from the model's shape and the GPU's published rates, at a few efficiencie
 measurements, price the rest under stated assumptions rather than invented numbers. Every assumption is written into
 the cost model's ``notes``.
 
-``python -m dcut.replay.roofline --out docs/replay/costs/h20-qwen3-8b.json`` writes the cost model and prints the fit.
+``python -m dcut.replay.roofline --out docs/results/replay/costs/h20-qwen3-8b.json`` writes the cost model
+and prints the fit.
 """
 
 from __future__ import annotations

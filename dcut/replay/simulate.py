@@ -183,7 +183,7 @@ class Walk:
 class Drift:
     """The machine's speed wandering while a policy runs: every cost of a step multiplied by ``factor`` on alternate
     stretches of ``period`` steps (the first stretch at speed), and by a mean-one lognormal of spread ``jitter``,
-    drawn anew each step (``seed``). This box ran ~1.5x slower for an hour and back (docs/compare-floor): a policy
+    drawn anew each step (``seed``). This box ran ~1.5x slower for an hour and back (docs/results/floor): a policy
     that compares widths measured at different moments must not take the machine's moods for the widths' worth. And
     its steps scatter: live at bs 64 a width's pure cycles spread 13-31 % about their mean, so a live policy
     needs cycles to tell widths 5-10 % apart, where a replay without jitter tells them apart in a few (and does not

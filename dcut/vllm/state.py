@@ -474,7 +474,8 @@ class RunnerDCut(RunnerKnowledge):
         # A cycle whose verification shared its step with prefills is counted only if asked (``count_mixed_steps``).
         # Pure steps alone misrank what admissions cost (live, deep pair, bs 64, steady traffic: width 2 pinned
         # realized 1,339 tok/s on its pure steps against width 0's 1,323, yet ran at 832 against 892 tok/s), but
-        # counting the others, up to twice a pure step and in bursts, made joint choose worse (docs/compare-mixed).
+        # counting the others, up to twice a pure step and in bursts, made joint choose worse
+        # (docs/experiments/2026-12-05-compare-mixed).
         counted = c is not None and self.joint and c.clean and (h.shape is not None or self.settings.count_mixed_steps)
         # A probe verifies everything, which the policy would not: it teaches acceptance, and a rate the width can at
         # least deliver (what exploration weighs), not the rate itself.
