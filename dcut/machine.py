@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,3 +34,18 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def provenance() -> dict[str, Any]:
+    """When and on which code a result was measured: ``date`` (UTC, ISO 8601) and ``commit`` (``git rev-parse
+    --short HEAD``, ``-dirty`` when tracked files differ from it; None outside a git checkout). Every result JSON
+    records these beside ``machine``, so a figure quoted from it can say what it is (docs/README.md)."""
+    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"date": date, "commit": None}
+    return {"date": date, "commit": commit + ("-dirty" if dirty else "")}

@@ -374,7 +374,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from dcut.machine import machine_info
+    from dcut.machine import machine_info, provenance
     from loadtest.report import write_report
 
     started = dt.datetime.now().isoformat(timespec="seconds")
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
                      "spec_schedule": schedule, "spec_schedule_source": schedule_source,
                      "command": "python -m loadtest.run " + " ".join(sys.argv[1:] if argv is None else argv)}
             meta = {"started": started, "finished": dt.datetime.now().isoformat(timespec="seconds"),
-                    "machine": machine_info(), "setup": setup, "arms": arms_info, "notes": opts.note}
+                    "machine": machine_info(), **provenance(), "setup": setup, "arms": arms_info, "notes": opts.note}
             write_report(opts.out, runs, meta)
             log(f"wrote {opts.out / 'results.md'}")
     failed = sum(r["figures"]["failures"] for r in runs)

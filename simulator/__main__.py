@@ -17,7 +17,7 @@ from ray.serve.config import AutoscalingConfig
 from tqdm import tqdm
 
 from dcut.cost_table import CostTable
-from dcut.machine import machine_info
+from dcut.machine import machine_info, provenance
 from deployments.settings import AutoscalingSettings
 from simulator.report import choose, main_table, plot_runs, plot_sweep, plotted, readme, summarize
 from simulator.run import (
@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m simulator " + " ".join(argv if argv is not None else sys.argv[1:])
     machine = machine_info()
     (args.out / "results.json").write_text(json.dumps({
-        "command": command, "machine": machine, "replica": replica.model_dump(), "base_knobs": base.model_dump(),
+        "command": command, "machine": machine, **provenance(), "replica": replica.model_dump(),
+        "base_knobs": base.model_dump(),
         "summaries": [s.model_dump() for s in summaries], "sweep": [s.model_dump() for s in sweep],
         "choice": choice.model_dump() if choice else None,
         "series": [r.model_dump(include={"trace", "fleet", "phase_s", "series"}) for _, r in panels]},

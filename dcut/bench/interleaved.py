@@ -67,7 +67,7 @@ from tqdm import tqdm
 
 from dcut.bench.breakdown import PARTS, StepBreakdown
 from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mode, token_ids_sha256, unknown_mode
-from dcut.machine import machine_info
+from dcut.machine import machine_info, provenance
 from dcut.settings import EngineSettings
 
 TRAFFIC = ("steady", "batch")
@@ -193,7 +193,8 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     cells, comparisons, controls = _summaries(runs, arms, batch_sizes, boot)
     for c in cells:
         c.update(stats.get((c["mode"], c["bs"]), {}))
-    return {"machine": machine_info(), "engine": base.model_dump(mode="json"), "modes": [a.name for a in arms],
+    return {"machine": machine_info(), **provenance(), "engine": base.model_dump(mode="json"),
+            "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
             "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
             "burn_in": BURN_IN if traffic == "steady" else None,

@@ -25,7 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dcut.bench.generate import dynamic_settings, generate, settings_for_mode
-from dcut.machine import machine_info
+from dcut.machine import machine_info, provenance
 from dcut.settings import EngineSettings
 
 SWEEP_MODES = ("none", "full", "dynamic", "per_request", "reference", "continuous", "joint")
@@ -158,7 +158,8 @@ def sweep(base: EngineSettings, batch_sizes: list[int], modes: list[str], prompt
             "per_request_depth": r.get("per_request_depth"), "spec_schedule": r.get("spec_schedule"),
             "engine_startup_s": r.get("startup_s"), "cost_source": r.get("cost_source"),
         })
-    record = {"machine": machine_info(), "engine": base.model_dump(), "k": k, "batch_sizes": batch_sizes,
+    record = {"machine": machine_info(), **provenance(), "engine": base.model_dump(), "k": k,
+              "batch_sizes": batch_sizes,
               "max_tokens": max_tokens, "repeats": repeats, "notes": notes, "results": results,
               "dynamic": dynamic, "dynamic_fixed_k": fixed_k}
     (out / "sweep.json").write_text(json.dumps(record, indent=1))

@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dcut.bench.generate import _build_engine, settings_for_mode
-from dcut.machine import machine_info
+from dcut.machine import machine_info, provenance
 from dcut.settings import EngineSettings
 from dcut.trace import Trace
 
@@ -46,7 +46,7 @@ def record(settings: EngineSettings, prompts: list[str], batch_sizes: list[int],
         trace = Trace.load(raw)
         trace.meta.update({"source": "vllm", "pair": pair, "model": settings.model, "draft": settings.draft,
                            "batch_size": bs, "max_tokens": max_tokens, "prompts": len(prompts),
-                           "widths": widths, "machine": machine_info()})
+                           "widths": widths, "machine": machine_info(), **provenance()})
         path = out / f"bs{bs}.npz"
         trace.save(path)
         written.append(path)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dcut.cli import CommandError
 from dcut.cost_table import CostTable, Fingerprint, current_hardware, profile_token_points
-from dcut.machine import machine_info
+from dcut.machine import machine_info, provenance
 from dcut.selection import select
 from dcut.settings import DCutSettings
 
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
                    for mode in MODES for k in KS for bs in BATCH_SIZES]
         columns = ("mode", "bs", "k")
     if args.json:
-        print(json.dumps({"machine": machine_info(), "results": results}))
+        print(json.dumps({"machine": machine_info(), **provenance(), "results": results}))
         return 0
     extra = ("mean_us", "choose_us", "drafted_us", "cut_us") if args.step else ()
     print(f"{columns[0]:<11} {columns[1]:>4} {columns[2]:>5} {'median us':>10}"

@@ -24,6 +24,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dcut.bench.pool import markdown, pool
+    from dcut.machine import provenance
 
     try:
         reports = [json.loads(Path(p).read_text()) for p in args.reports]
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise CommandError(f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)) from e
     pooled["reports"] = list(args.reports)
+    pooled.update(provenance())  # when and on which code the pool was made (each report records its own run)
     table = markdown(pooled)
     if args.out:
         out = Path(args.out)

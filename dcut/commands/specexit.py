@@ -29,12 +29,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"(default: {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--bs", default="1,16", help="batch sizes")
     parser.add_argument("--max-tokens", type=int, default=460)
-    parser.add_argument("--out", default="docs/experiments/2026-12-01-specexit")
+    parser.add_argument("--out", default="docs/experiments/2026-11-29-specexit")
 
 
 def run(args: argparse.Namespace) -> int:
     from dcut.bench.specexit import evaluate, load_problems, parse_arm
-    from dcut.machine import machine_info
+    from dcut.machine import machine_info, provenance
     from dcut.plots import plot_specexit
 
     try:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     rows = evaluate(settings, problems, arms, sizes, args.max_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"machine": machine_info(), "settings": settings.model_dump(mode="json"),
+    record = {"machine": machine_info(), **provenance(), "settings": settings.model_dump(mode="json"),
               "problems": args.problems, "num_problems": len(problems), "max_tokens": args.max_tokens,
               "rows": rows}
     (out / "specexit.json").write_text(json.dumps(record, indent=2) + "\n")

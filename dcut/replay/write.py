@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dcut.machine import machine_info, provenance
 from dcut.plots import plot_speedup
 from dcut.replay.paper import paper_check, paper_check_markdown
 from dcut.replay.report import PINNED, STARTS, Case, markdown_table, replay_case, summarize
@@ -14,7 +15,9 @@ from dcut.replay.report import PINNED, STARTS, Case, markdown_table, replay_case
 
 def write_report(cases: list[Case], out: Path, steps: int, warmup: int, starts: int = STARTS) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"steps": steps, "warmup": warmup, "starts": starts, "cases": {}}
+    # the replay is deterministic, but its figures are this code's: date and commit say which (docs/README.md)
+    report: dict[str, Any] = {"steps": steps, "warmup": warmup, "starts": starts, "cases": {},
+                              "machine": machine_info(), **provenance()}
     md = [f"# Replay ({steps} measured steps after {warmup} warm-up steps per cell, from each of {starts} starts "
           "in the trace, pooled; deterministic)\n"]
     for case in cases:

@@ -76,7 +76,9 @@ def test_the_command_writes_the_table_and_refuses_bad_input(tmp_path, capsys):
         paths[-1].write_text(json.dumps(report(rates)))
     assert main(["pool", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
     assert "pooled over 2 runs" in capsys.readouterr().out
-    assert json.loads((tmp_path / "out" / "pooled.json").read_text())["rows"][0]["rounds"] == 6
+    written = json.loads((tmp_path / "out" / "pooled.json").read_text())
+    assert written["rows"][0]["rounds"] == 6
+    assert written["date"].startswith("20") and "commit" in written  # every result JSON says when and on which code
     assert main(["pool", str(paths[0])]) == 2
     assert "at least two" in capsys.readouterr().err
     assert main(["pool", str(paths[0]), str(tmp_path / "nowhere.json")]) == 2
