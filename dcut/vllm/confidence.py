@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dcut.selection import log_confidence
+from dcut.selection import log_confidence, log_confidence_of_probs
 from dcut.vllm.draft_pass import DraftPass
 from dcut.vllm.runner_hooks import drafter_hooks
 
@@ -44,15 +44,15 @@ def wrap_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any]
             return original(self, hidden_states, sampling_metadata)
         greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
         if greedy and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab:
-            # The same logits vLLM's _greedy_sample computes; we also keep log p(token) = max - logsumexp,
-            # without materialising [rows, vocab] log-probabilities.
-            logits = self.model.compute_logits(hidden_states).float()
-            top, tokens = logits.max(dim=-1)
-            sink.append(top - torch.logsumexp(logits, dim=-1))
+            # The same logits and argmax as vLLM's _greedy_sample; we also keep log p(token), without a float32
+            # or log-probability copy of the [rows, vocab] logits (dcut.selection.log_confidence).
+            logits = self.model.compute_logits(hidden_states)
+            tokens = logits.argmax(dim=-1)
+            sink.append(log_confidence(logits, tokens))
             return tokens, None
         tokens, probs = original(self, hidden_states, sampling_metadata)
         if probs is not None:  # sampled drafting: the probability of the sampled token
-            sink.append(log_confidence(probs.float().clamp_min(1e-30).log(), tokens))
+            sink.append(log_confidence_of_probs(probs, tokens))
         else:  # rare paths (local argmax / heterogeneous vocab): recompute the logits
             logits = self.model.compute_logits(hidden_states)
             if self.use_heterogeneous_vocab:
