@@ -7,6 +7,7 @@ D-Cut's view of the engine (``dcut.vllm.api``). vLLM itself is imported only whe
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import importlib
 import json
@@ -32,6 +33,12 @@ _USAGE = re.compile(r'"usage":\s*\{')  # a stream chunk that carries the usage (
 # What ``fingerprint`` and ``start`` import of vLLM (``import_library``: timed by the replica, ~20 s on a loaded CPU).
 VLLM_MODULES = ("vllm", "vllm.engine.arg_utils", "vllm.v1.engine.async_llm", "vllm.v1.metrics.ray_wrappers",
                 "vllm.entrypoints.launchers.api_server.app_state", "vllm.entrypoints.launchers.cli_args")
+# OpenAI's chat roles. vLLM hands any other string to the chat template (a 200 for "role": "hacker"); OpenAI refuses it.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# The token budget the request in ``_serve`` named, ``(parameter, value)``: vLLM lowers ``max_tokens`` to what the
+# context leaves before ``generate`` sees it, so the prompt length and the client's figure meet only there.
+_REQUESTED_TOKENS: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("requested_tokens",
+                                                                                          default=None)
 
 
 def error_body(message: str, status: int, err_type: str | None = None, param: str | None = None) -> dict:
@@ -89,16 +96,21 @@ class VLLMEngine(Engine):
         self._chat = state.openai_serving_chat
 
     def _check_prompt(self, prompt: Any) -> None:
-        """Refuse a prompt over ``max_prompt_tokens`` (a 400 from vLLM's serving layer, not an engine fault)."""
+        """Refuse a prompt over ``max_prompt_tokens``, or one whose tokens and the budget the client named pass the
+        context (a 400 from vLLM's serving layer, not an engine fault; vLLM would lower the budget and answer 200)."""
         from vllm.exceptions import VLLMValidationError
         from vllm.renderers.inputs.preprocess import extract_prompt_len
 
-        if self.max_prompt_tokens is None:
+        requested = _REQUESTED_TOKENS.get()
+        if self.max_prompt_tokens is None and requested is None:
             return
         n = extract_prompt_len(self.engine.model_config, prompt)
-        if n > self.max_prompt_tokens:
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
             raise VLLMValidationError(f"The prompt has {n} tokens; this server accepts at most "
                                       f"{self.max_prompt_tokens}.", parameter="prompt")
+        context = self.engine.model_config.max_model_len
+        if requested is not None and (message := context_overflow(n, requested[1], context)) is not None:
+            raise VLLMValidationError(message, parameter=requested[0])
 
     def _route_generate_through_adapter(self) -> None:
         """Make this adapter's ``generate`` the ``generate`` of this one ``AsyncLLM`` instance.
@@ -156,6 +168,9 @@ class VLLMEngine(Engine):
         from vllm.exceptions import VLLMClientError
 
         try:
+            if route == "chat" and (refused := unknown_role(body)) is not None:
+                yield refused
+                return
             body = self._speculation_args(self._specexit_args(body))
             request = request_cls.model_validate(body)
         except ValidationError as e:
@@ -167,6 +182,9 @@ class VLLMEngine(Engine):
         except Exception as e:  # noqa: BLE001 - anything else a validator raises is still about the body
             yield error_body(f"Invalid request: {type(e).__name__}: {e}", 400, "BadRequestError")
             return
+        # Read by ``generate`` (``_check_prompt``); set by every request before its engine call, in its own task's
+        # context (Serve runs each request in a task of its own), so no value outlives its request's use of it.
+        _REQUESTED_TOKENS.set(requested_tokens(body, route))
         with self.serving():
             try:
                 result = await create(request, None)
@@ -186,7 +204,13 @@ class VLLMEngine(Engine):
                     yield await self._with_usage(chunk, route)
 
     async def models(self) -> dict:
-        return (await self._models.show_available_models()).model_dump()
+        """vLLM's model list, with the served name as each base model's ``root`` where vLLM puts the path it loaded
+        (this server's file system is not the client's business)."""
+        models = (await self._models.show_available_models()).model_dump()
+        for card in models.get("data", []):
+            if card.get("parent") is None:
+                card["root"] = card["id"]
+        return models
 
     async def check_health(self) -> None:
         await self.engine.check_health()
@@ -279,6 +303,38 @@ def client_error(e: Exception) -> dict | None:
         return error_body(f"Not supported by this server: {str(e) or type(e).__name__}", 400, "BadRequestError")
     response = create_error_response(e)
     return response.model_dump() if response.error.code < 500 else None
+
+
+def unknown_role(body: Any) -> dict | None:
+    """The 400 for a chat message whose role is not one of OpenAI's (``CHAT_ROLES``), naming it as OpenAI does
+    (``messages[i].role``); None when every role is known. Other shapes are left to vLLM's validation."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    for i, message in enumerate(messages if isinstance(messages, list) else []):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in CHAT_ROLES:
+            return error_body(f"Invalid value: {role[:40]!r}. Supported values are: {', '.join(CHAT_ROLES)}.", 400,
+                              "BadRequestError", param=f"messages[{i}].role")
+    return None
+
+
+def requested_tokens(body: Any, route: str) -> tuple[str, int] | None:
+    """``(parameter, value)`` of the completion budget a request names (chat: ``max_completion_tokens`` before the
+    older ``max_tokens``, as vLLM reads them), or None."""
+    names = ("max_completion_tokens", "max_tokens") if route == "chat" else ("max_tokens",)
+    for name in names:
+        value = body.get(name) if isinstance(body, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return name, value
+    return None
+
+
+def context_overflow(prompt_tokens: int, requested: int, max_model_len: int) -> str | None:
+    """OpenAI's message for a prompt whose tokens plus the requested completion pass the context, else None."""
+    if prompt_tokens + requested <= max_model_len:
+        return None
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} in the completion). "
+            f"Please reduce the length of the prompt or completion.")
 
 
 def validation_message(e) -> str:

@@ -265,6 +265,34 @@ RAW_FIXED: list[bytes] = [
     b'{"prompt": "x", "max_tokens": 4, "temperature": 1, "top_k": 5, "top_p": 0.5}',
 ]
 
+
+
+def refused_cases(max_model_len: int) -> list[tuple[Case, str]]:
+    """Bodies that must get a 400 naming a parameter, as OpenAI answers them (issue 64: both got a 200): an unknown
+    chat role, and a prompt whose tokens plus ``max_tokens`` pass the context (``max_model_len``, from /v1/models),
+    each budget inside the ingress's own ceiling. ``(case, the parameter the error must name)``."""
+    over = {"prompt": [5] * 8, "max_tokens": max_model_len - 4}
+    return [
+        (Case("/v1/chat/completions", _dumps({"messages": [{"role": "user", "content": "x"},
+                                                           {"role": "hacker", "content": "x"}],
+                                              "max_tokens": 2}), label="refused"), "messages[1].role"),
+        (Case("/v1/completions", _dumps(over), label="refused"), "max_tokens"),
+        (Case("/v1/completions", _dumps({**over, "stream": True}), label="refused"), "max_tokens"),
+        (Case("/v1/chat/completions", _dumps({"messages": [{"role": "user", "content": "x " * 8}],
+                                              "max_completion_tokens": max_model_len}), label="refused"),
+         "max_completion_tokens"),
+    ]
+
+
+def served_context(client: httpx.Client) -> int | None:
+    """The first served model's ``max_model_len`` (vLLM's /v1/models card), or None where the server says none."""
+    try:
+        cards = client.get("/v1/models").json().get("data")
+        return int(cards[0]["max_model_len"])
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, httpx.HTTPError):
+        return None
+
+
 raw_bodies = st.one_of(
     st.sampled_from(RAW_FIXED),
     st.integers(1000, 200_000).map(lambda depth: b"[" * depth),
@@ -380,9 +408,12 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
     t0 = time.monotonic()
 
     fixed = [Case(path, raw, label="fixed") for raw in RAW_FIXED for path in ROUTES]
-    total = len(fixed) + n_cases
+    context = served_context(client)
+    refused = refused_cases(context) if context else []
+    total = len(fixed) + len(refused) + n_cases
 
-    def send(case: Case) -> None:
+    def send(case: Case, param: str | None = None) -> None:
+        """``param``: the answer must be a 400 whose error names it."""
         started = time.monotonic()
         if started - t0 > max_s:
             report.out_of_time = True
@@ -398,6 +429,8 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
         report.slowest_s = max(report.slowest_s, time.monotonic() - started)
         statuses[str(r.status_code)] += 1
         outcome, problem = classify(r.status_code, r.headers.get("content-type", ""), r.content)
+        if param is not None and problem is None and (r.status_code != 400 or r.json()["error"].get("param") != param):
+            problem = f"expected a 400 naming {param!r}, got {r.status_code}: {r.content[:200]!r}"
         outcomes[outcome] += 1
         if outcome == "error" and problem is None:
             messages[f"{r.status_code} {r.json()['error']['message'][:80]}"] += 1
@@ -412,6 +445,8 @@ def fuzz(client: httpx.Client, model: str, n_cases: int, seed: int = 0, cap: int
     try:
         for case in fixed:
             send(case)
+        for case, param in refused:
+            send(case, param)
 
         @hypothesis_seed(seed)  # a reproducible sequence of cases per --seed
         @settings(max_examples=n_cases, database=None, deadline=None, phases=[Phase.generate], derandomize=False,

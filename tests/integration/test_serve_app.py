@@ -93,6 +93,7 @@ def test_health_and_models(client):
     assert httpx.get(f"{BASE}/health").status_code == 200  # no key needed
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["root"] == MODEL  # the served name, not the server's path of the model (issue 64)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -180,6 +181,17 @@ def test_bad_requests(client):
                                                       "max_tokens": 4}), 400)
     assert "context length" in err["message"]
     _error(client.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}), 404)
+    # issue 64: both were a 200 (vLLM passes any role to the template, and lowers max_tokens to what the context
+    # leaves); OpenAI answers both with a 400 naming the parameter
+    hacker = {"model": MODEL, "messages": [{"role": "hacker", "content": "hi"}], "max_tokens": 2}
+    assert _error(client.post("/v1/chat/completions", json=hacker), 400)["param"] == "messages[0].role"
+    for stream in (False, True):  # 150 prompt tokens + 900 > max_model_len 1024
+        over = {"model": MODEL, "prompt": [5] * 150, "max_tokens": 900, "stream": stream}
+        err = _error(client.post("/v1/completions", json=over), 400)
+        assert err["param"] == "max_tokens" and "maximum context length is 1024" in err["message"], err
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1020}
+    assert _error(client.post("/v1/chat/completions", json=chat), 400)["param"] == "max_completion_tokens"
+    assert client.post("/v1/completions", json={**over, "max_tokens": 8, "stream": False}).status_code == 200
 
 
 def test_engine_fault_is_500_and_replica_survives(client):

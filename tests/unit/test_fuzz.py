@@ -138,3 +138,39 @@ def test_fuzz_loop_flags_5xx_and_bad_error_bodies_and_stops_at_its_deadline():
     with _stub_client(answer) as client:
         stopped = fuzz(client, "tiny", n_cases=10, seed=1, max_s=0.0)
     assert stopped.out_of_time and stopped.cases == 0 and not stopped.ok
+
+
+def test_fuzz_requires_a_400_naming_the_parameter_for_the_refused_cases():
+    """Issue 64: an unknown chat role and a prompt plus ``max_tokens`` over the context (read off /v1/models) must be
+    400s naming the parameter; a 200 for them, or a 400 naming another, is a problem."""
+    def serve(names_param: bool):
+        def answer(request: httpx.Request) -> httpx.Response:
+            if request.method == "GET":
+                return httpx.Response(200, json={"data": [{"id": "tiny", "max_model_len": 64}]})
+            try:
+                body = json.loads(request.content)
+            except (ValueError, RecursionError):  # the raw hostile bodies
+                body = None
+            if body == PLAIN:
+                return httpx.Response(200, json={"choices": []})
+            param = None
+            if isinstance(body, dict) and body.get("max_tokens") == 60:
+                param = "max_tokens"
+            elif isinstance(body, dict) and body.get("max_completion_tokens") == 64:
+                param = "max_completion_tokens"
+            elif isinstance(body, dict) and "hacker" in request.content.decode():
+                param = "messages[1].role"
+            if param is None or not names_param:
+                return httpx.Response(200, json={"choices": []}) if param else httpx.Response(
+                    400, json={"error": {"message": "no", "type": "BadRequestError", "code": 400}})
+            return httpx.Response(400, json={"error": {"message": "no", "type": "BadRequestError", "code": 400,
+                                                       "param": param}})
+        return answer
+
+    with _stub_client(serve(names_param=True)) as client:
+        good = fuzz(client, "tiny", n_cases=1, seed=1)
+    assert good.ok and good.labels["refused"] == 4, good.problems
+    with _stub_client(serve(names_param=False)) as client:
+        bad = fuzz(client, "tiny", n_cases=1, seed=1)
+    assert not bad.ok and len([p for p in bad.problems if "expected a 400 naming" in p["problem"]]) == 4
+
