@@ -171,9 +171,9 @@ class EngineSettings(BaseModel):
                                         "same prompts, and vLLM 0.32's drafter engines (EAGLE family, DFlash) give up "
                                         "the last matched block of a hit, 128 tokens on CPU, so an engine without a "
                                         "drafter would prefill less for reasons that are not decoding.")
-    async_scheduling: bool | None = Field(None, description="An engine without a drafter: vLLM's asynchronous "
-                                          "scheduling (None: vLLM's default, on). Engines with a drafter run "
-                                          "synchronously here (D-Cut cuts drafts before the next schedule).")
+    async_scheduling: bool | None = Field(None, description="vLLM's asynchronous scheduling (None: vLLM's default, "
+                                          "on for a GPU, off on CPU). A D-Cut or SpecExit engine runs synchronously "
+                                          "whatever is set (D-Cut cuts drafts before the next schedule).")
     enforce_eager: bool = Field(False, description="vLLM's default: compiled. True runs eagerly (faster start).")
     seed: int = 0
     served_model_name: str | None = None

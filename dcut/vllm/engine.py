@@ -15,7 +15,9 @@ WORKER_EXTENSION = "dcut.vllm.worker.DCutWorkerExtension"
 
 
 def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM(**kw)`` and ``AsyncEngineArgs(**kw)``."""
+    """Keyword arguments for ``vllm.LLM(**kw)`` and ``AsyncEngineArgs(**kw)``. vLLM's defaults stand for what is
+    left unset (an engine without D-Cut runs as a user of vLLM would run it); a D-Cut or SpecExit engine changes
+    what it must at ``VllmConfig.__post_init__`` (``dcut.vllm.engine_config``)."""
     k = settings.num_speculative_tokens
     kw: dict[str, Any] = dict(
         model=str(Path(settings.model)),
@@ -35,7 +37,7 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kw["served_model_name"] = settings.served_model_name
     if settings.prefix_caching is not None:
         kw["enable_prefix_caching"] = settings.prefix_caching
-    if settings.method == "none" and settings.async_scheduling is not None:
+    if settings.async_scheduling is not None:
         kw["async_scheduling"] = settings.async_scheduling
     if settings.method != "none":
         if not settings.draft:
@@ -45,9 +47,6 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         if settings.spec_schedule:
             kw["speculative_config"]["num_speculative_tokens_per_batch_size"] = [
                 list(r) for r in settings.spec_schedule]
-        # Drafts are cut before the next schedule: synchronous scheduling either way, so that
-        # D-Cut and full-width verification are compared on equal terms.
-        kw["async_scheduling"] = False
         extra = {"dcut": settings.dcut, "specexit": settings.specexit}
         if extra := {name: s.model_dump(mode="json") for name, s in extra.items() if s is not None}:
             kw["additional_config"] = extra

@@ -1,15 +1,15 @@
 """An engine's configuration, as D-Cut needs it: validated at ``VllmConfig.__post_init__``.
 
 An engine that asks for D-Cut or SpecExit (``additional_config``) has its settings validated here, so a bad
-setting stops the engine before anything loads; what D-Cut cannot live with is turned off, one log line each
-(async scheduling, full CUDA graphs, the V2 model runner). On a vLLM other than the one the patches were
-written for, such an engine is refused; an engine that asks for neither is left exactly as vLLM built it.
+setting stops the engine before anything loads; what D-Cut cannot live with is turned off for that engine alone,
+one log line each (async scheduling, full CUDA graphs, the V2 model runner; ``docs/gpu.md`` says why). On a vLLM
+other than the one the patches were written for, such an engine is refused; an engine that asks for neither is
+left exactly as vLLM built it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,15 +51,32 @@ def _make_config_compatible(config: Any) -> None:
         method = None if spec is None else spec.method
         raise ValueError(f"additional_config.dcut needs a drafter that gives confidences "
                          f"({', '.join(CONFIDENT_METHODS)}); speculative method is {method!r}")
+    if config.attention_config.hisparse_config is not None or getattr(config, "watermark_config", None) is not None:
+        raise ValueError("D-Cut and SpecExit run on vLLM's V1 model runner; HiSparse and watermarking need the V2 one")
     if config.scheduler_config.async_scheduling is not False:
         logger.info("D-Cut: async scheduling turned off (drafts are cut before the next schedule)")
         config.scheduler_config.async_scheduling = False
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0":
-        logger.info("D-Cut: using the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)")
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm.config import CUDAGraphMode
 
+    # Set here, before vLLM's __post_init__: left unset (None), vLLM resolves FULL_AND_PIECEWISE on CUDA. D-Cut
+    # changes the verify length every step, as vLLM's per-batch-size K does, for which vLLM itself forces
+    # PIECEWISE on the V1 runner "for reliability". enforce_eager still ends at NONE (vLLM sets it later).
     mode = config.compilation_config.cudagraph_mode
-    if mode is not None and mode.has_full_cudagraphs():
-        logger.info("D-Cut: full CUDA graphs turned off, piecewise kept (drafts per step vary)")
+    if mode is None or mode.has_full_cudagraphs():
+        logger.info("D-Cut: piecewise CUDA graphs (drafts per step vary), not %s", mode)
         config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
+def asks_for_dcut(config: Any) -> bool:
+    """The engine asks for D-Cut or SpecExit (``additional_config``): cheap, read on every runner choice."""
+    extra = getattr(config, "additional_config", None)
+    return isinstance(extra, dict) and any(extra.get(name) is not None for name in ("dcut", "specexit"))
+
+
+def wrap_use_v2_model_runner(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """Wraps the getter of ``vllm.config.VllmConfig.use_v2_model_runner``: the V1 runner for an engine that asks for
+    D-Cut or SpecExit (their hooks are on V1's ``GPUModelRunner``), vLLM's own choice for any other. Per config, so
+    a later engine of the process (a baseline in ``dcut compare``) still gets vLLM's default."""
+    def use_v2_model_runner(self: Any) -> bool:
+        return False if asks_for_dcut(self) else original(self)
+    return use_v2_model_runner

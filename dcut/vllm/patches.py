@@ -11,7 +11,8 @@ straight through to vLLM, except the two vLLM bug fixes.
 
 What is wrapped, by the module that holds the wrapper:
 - ``dcut.vllm.engine_config`` — ``VllmConfig.__post_init__``: validate the settings; turn off what D-Cut cannot
-  live with (async scheduling, full CUDA graphs, the V2 model runner).
+  live with (async scheduling, full CUDA graphs); ``VllmConfig.use_v2_model_runner`` (a property: its getter is
+  wrapped): the V1 runner for D-Cut and SpecExit engines alone.
 - ``dcut.vllm.confidence`` — ``SpecDecodeBaseProposer.propose`` / ``._sample_draft_tokens``: the drafter's
   log-probability of each token it drafts; SpecExit's signal head on the drafter's hidden states.
 - ``dcut.vllm.step_hooks`` — ``GPUModelRunner.execute_model`` / ``._prepare_inputs`` / ``._sample`` /
@@ -67,6 +68,7 @@ _RUNNER_PROPOSE_PARAMS = ("self", "scheduler_output", "sampled_token_ids", "samp
 PATCHES: tuple[Patch, ...] = (
     Patch(_CONFIG, "__post_init__", engine_config.wrap_post_init, any_version=True),
     Patch(_PROPOSER, "propose", confidence.wrap_propose),
+    Patch(_CONFIG, "use_v2_model_runner", engine_config.wrap_use_v2_model_runner, ("self",)),
     Patch(_PROPOSER, "_sample_draft_tokens", confidence.wrap_sample_draft_tokens,
           ("self", "hidden_states", "sampling_metadata")),
     Patch(_RUNNER, "execute_model", step_hooks.wrap_execute_model, ("self", "scheduler_output")),
@@ -124,18 +126,25 @@ def owner_of(patch: Patch) -> type | ModuleType | None:
 
 def _wrap(owner: type | ModuleType, name: str, make: Wrapper, params: tuple[str, ...] = ()) -> None:
     """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it, or if
-    the leading parameters the wrapper binds by position are not the ones it was written for."""
+class _WrappedProperty(property):
+    """A property whose getter a patch wrapped; unlike ``property`` it can carry ``__dcut_wraps__``."""
+
+
+    the leading parameters the wrapper binds by position are not the ones it was written for. A property has
+    its getter wrapped."""
     where = f"{owner.__name__}.{name}" if isinstance(owner, ModuleType) else \
         f"{owner.__module__}.{owner.__qualname__}.{name}"
     original = owner.__dict__.get(name)
     if original is None:
         raise RuntimeError(f"dcut-serve: vLLM {where} not found; this D-Cut build patches vLLM "
                            f"{EXPECTED_VLLM_VERSION} only")
-    found = tuple(inspect.signature(original).parameters)[: len(params)]
+    function = original.fget if isinstance(original, property) else original
+    found = tuple(inspect.signature(function).parameters)[: len(params)]
     if found != params:
         raise RuntimeError(f"dcut-serve: vLLM {where} takes {found}, this D-Cut build expects {params} "
                            f"(written for vLLM {EXPECTED_VLLM_VERSION})")
-    wrapper = functools.wraps(original)(make(original))
-    wrapper.__dcut_wraps__ = where
-    setattr(owner, name, wrapper)
+    wrapper = functools.wraps(function)(make(function))
+    replacement = _WrappedProperty(wrapper) if isinstance(original, property) else wrapper
+    replacement.__dcut_wraps__ = where
+    setattr(owner, name, replacement)
     _originals.append((owner, name, original))

@@ -1,0 +1,82 @@
+"""The GPU path, checked on this CPU: vLLM's configuration built as it resolves on CUDA (``tests.cuda_platform``).
+
+Per engine, in any build order: a D-Cut engine runs the V1 runner, synchronous scheduling and piecewise CUDA
+graphs (``docs/gpu.md`` says why); every other engine keeps what vLLM gives it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dcut.settings import EMBEDDED_MODELS, EngineSettings
+from tests.cuda_platform import cuda_like, engine_config
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET, DRAFT = (str(ROOT / p) for p in EMBEDDED_MODELS["deep"])
+DCUT = EngineSettings(model=TARGET, draft=DRAFT)  # D-Cut, mode joint
+FULL = DCUT.model_copy(update={"dcut": DCUT.dcut.model_copy(update={"mode": "full"})})  # D-Cut counting
+VLLM_DFLASH = DCUT.model_copy(update={"dcut": None})  # vLLM's own DFlash: the stock speculative baseline
+PLAIN = DCUT.model_copy(update={"method": "none", "draft": None, "dcut": None})  # no speculation
+
+
+def _resolved(config) -> tuple[bool, bool, str]:
+    return (config.use_v2_model_runner, config.scheduler_config.async_scheduling,
+            config.compilation_config.cudagraph_mode.name)
+
+
+def test_dcut_engine_left_unset_ends_piecewise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 1 of issue 63: checked before vLLM had chosen (None), full graphs stayed on."""
+    cuda_like(monkeypatch)
+    assert _resolved(engine_config(DCUT)) == (False, False, "PIECEWISE")
+
+
+def test_runner_is_chosen_per_engine_not_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 2: a D-Cut engine's V1 runner came from a process-wide environment variable, so a stock engine
+    built after it got V1 too."""
+    cuda_like(monkeypatch)
+    assert engine_config(PLAIN).use_v2_model_runner
+    dcut = engine_config(DCUT)
+    assert not dcut.use_v2_model_runner and engine_config(PLAIN).use_v2_model_runner
+    assert not dcut.use_v2_model_runner
+
+
+def test_stock_speculative_baseline_keeps_async_scheduling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 3: every engine with a drafter was made synchronous, vLLM's own DFlash included."""
+    cuda_like(monkeypatch)
+    assert engine_config(VLLM_DFLASH).scheduler_config.async_scheduling is True
+
+
+@pytest.mark.parametrize("order", [(DCUT, FULL, VLLM_DFLASH, PLAIN), (PLAIN, VLLM_DFLASH, FULL, DCUT)],
+                         ids=["dcut-first", "dcut-last"])
+def test_each_engine_gets_its_own_runner_scheduling_and_graphs(order, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D-Cut engines: V1, synchronous, piecewise. Stock engines built in the same process, before or after:
+    vLLM's CUDA defaults (V2, asynchronous, full graphs)."""
+    cuda_like(monkeypatch)
+    expected = {id(DCUT): (False, False, "PIECEWISE"), id(FULL): (False, False, "PIECEWISE"),
+                id(VLLM_DFLASH): (True, True, "FULL_AND_PIECEWISE"), id(PLAIN): (True, True, "FULL_AND_PIECEWISE")}
+    configs = [(settings, engine_config(settings)) for settings in order]
+    for settings, config in configs:
+        assert _resolved(config) == expected[id(settings)], settings
+    for settings, config in configs:  # read again after every engine is built: nothing leaked between them
+        assert _resolved(config) == expected[id(settings)], settings
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_dcut_ends_piecewise_whatever_graph_mode_is_asked(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph mode the user passes does not give a D-Cut engine full graphs; eager stays eager."""
+    cuda_like(monkeypatch)
+    config = engine_config(DCUT, compilation_config={"cudagraph_mode": mode})
+    assert config.compilation_config.cudagraph_mode.name == "PIECEWISE"
+    assert engine_config(DCUT.model_copy(update={"enforce_eager": True})).compilation_config.cudagraph_mode.name == \
+        "NONE"
+
+
+def test_async_scheduling_asked_of_a_dcut_engine_is_refused_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set on a D-Cut engine, asynchronous scheduling is turned off for it alone (one log line); set off on a
+    stock engine, it is off there."""
+    cuda_like(monkeypatch)
+    assert _resolved(engine_config(DCUT.model_copy(update={"async_scheduling": True}))) == (False, False, "PIECEWISE")
+    assert engine_config(VLLM_DFLASH.model_copy(update={"async_scheduling": False})).scheduler_config \
+        .async_scheduling is False
