@@ -41,7 +41,9 @@ def compose_app(args: dict[str, Any] | AppConfig | None = None, engine_cls: type
         max_ongoing_requests=rs.max_ongoing_requests,
         max_queued_requests=rs.max_queued_requests,
         autoscaling_config=rs.autoscaling.serve_config(),
-        health_check_period_s=10, health_check_timeout_s=30,
+        # A replica whose engine died fails its health check at once (deployments.engine.EngineDead): Serve asks every
+        # 2 s (a flag read, no engine call), so it stops routing to it and replaces it within ~2 s, not 10.
+        health_check_period_s=2, health_check_timeout_s=30,
         graceful_shutdown_timeout_s=rs.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=rs.graceful_shutdown_wait_loop_s,
     ).bind(cfg.engine, rs, controller, engine_cls=engine_cls)

@@ -10,6 +10,7 @@ ingress and controller. The application builder (``app.builder.build_app``) choo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
@@ -22,6 +23,13 @@ from dcut.speculation import AcceptanceHistogram
 from deployments.records import EngineLoad, SpecExitStats
 
 Output = TypeVar("Output")
+logger = logging.getLogger("ray.serve")
+
+
+class EngineDead(RuntimeError):
+    """The engine behind a live replica is gone (vLLM's ``EngineDeadError``: its engine core process died). Raised out
+    of a request instead of the engine's 500, it counts as the replica's death: the ingress tries the request again
+    or continues it on another replica, and the replica fails every health check from then on, so Serve replaces it."""
 
 
 class Throughput:
@@ -57,6 +65,7 @@ class Engine(ABC):
         self._throughput = Throughput()
         self.acceptance = AcceptanceHistogram()  # per-request acceptance of the responses served, by route
         self.on_speculation: Callable[[str, float | None], None] | None = None  # the replica's metrics
+        self.dead: str | None = None  # why the engine can serve no more (``EngineDead``); None while it can
 
     @classmethod
     def import_library(cls) -> None:
@@ -91,7 +100,15 @@ class Engine(ABC):
 
     @abstractmethod
     async def check_health(self) -> None:
-        """Raise when the engine cannot serve (Serve then replaces the replica)."""
+        """Raise when the engine cannot serve (Serve then replaces the replica); an engine found ``dead`` raises at
+        once (``died``)."""
+
+    def died(self, why: str) -> EngineDead:
+        """Mark the engine dead (the health check fails from now on); the exception to raise out of the request."""
+        if self.dead is None:
+            logger.error("engine dead (%s): this replica fails its health checks from now on", why)
+            self.dead = why
+        return EngineDead(f"the engine of this replica died: {self.dead}")
 
     @abstractmethod
     async def dcut_snapshot(self) -> DCutSnapshot | None:

@@ -28,6 +28,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from deployments import limits, status_page
+from deployments.engine import EngineDead
 from deployments.ray_metrics import IngressMetrics
 from deployments.settings import IngressSettings
 
@@ -46,8 +47,10 @@ def error_response(message: str, status: int, err_type: str, headers: dict | Non
 
 
 def replica_died(e: BaseException) -> bool:
-    """Whether ``e`` says the engine replica itself is gone (killed, crashed, unreachable), not the request."""
-    return isinstance(e, RayActorError) or (isinstance(e, RayTaskError) and isinstance(e.cause, RayActorError))
+    """Whether ``e`` says the engine replica itself is gone (killed, crashed, unreachable, or its engine dead inside
+    it: `EngineDead`), not the request."""
+    gone = (RayActorError, EngineDead)
+    return isinstance(e, gone) or (isinstance(e, RayTaskError) and isinstance(e.cause, gone))
 
 
 def presented_key(authorization: str) -> str:

@@ -25,7 +25,7 @@ from dcut.speculation import EXTRA_ARG, FIELD, merged, parse_cap
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
 from dcut.vllm.fingerprint import fingerprint
-from deployments.engine import Engine
+from deployments.engine import Engine, EngineDead
 from deployments.records import SpecExitStats
 
 logger = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class VLLMEngine(Engine):
         """``AsyncLLM.generate`` as vLLM's serving objects see it: the prompt limit and ``admit`` first, then
         vLLM's outputs, counted (``Engine.generating``: tokens, running, aborted)."""
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         self._check_prompt(prompt)
         self.admitted(prompt, request_id)
@@ -144,9 +145,13 @@ class VLLMEngine(Engine):
             return new
 
         outputs = self._vllm_generate(prompt, sampling_params, request_id, *args, **kwargs)
-        async with aclosing(self.generating(outputs, new_tokens)) as counted:
-            async for out in counted:
-                yield out
+        try:
+            async with aclosing(self.generating(outputs, new_tokens)) as counted:
+                async for out in counted:
+                    yield out
+        except EngineDeadError as e:  # vLLM's serving layer turns it into a 500; ``_serve`` raises ``EngineDead``
+            self.died(str(e))
+            raise
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -192,16 +197,29 @@ class VLLMEngine(Engine):
                 if (refused := client_error(e)) is not None:
                     yield refused
                     return
+                self._raise_if_dead()
                 logger.exception("engine fault")  # answer 500, keep the replica serving
                 yield error_body(f"engine error: {e}", 500, "InternalServerError")
                 return
             if isinstance(result, ErrorResponse):
+                if result.error.code >= 500:
+                    self._raise_if_dead()
                 yield result.model_dump()
             elif hasattr(result, "model_dump"):
                 yield await self._with_usage(result.model_dump(exclude_none=True), route)
             else:
                 async for chunk in result:
+                    if chunk.startswith('data: {"error"'):
+                        self._raise_if_dead()
                     yield await self._with_usage(chunk, route)
+
+    def _raise_if_dead(self) -> None:
+        """Raise ``EngineDead`` where the engine core died (a 500 of vLLM's then is the replica's death, not the
+        request's fault): seen by ``generate``, or by vLLM (``AsyncLLM.errored``) before this request reached it."""
+        if self.dead is None and self.engine is not None and self.engine.errored:
+            self.died("vLLM reports its engine core dead (AsyncLLM.errored)")
+        if self.dead is not None:
+            raise EngineDead(f"the engine of this replica died: {self.dead}")
 
     async def models(self) -> dict:
         """vLLM's model list, with the served name as each base model's ``root`` where vLLM puts the path it loaded
@@ -213,6 +231,7 @@ class VLLMEngine(Engine):
         return models
 
     async def check_health(self) -> None:
+        self._raise_if_dead()
         await self.engine.check_health()
 
     async def dcut_snapshot(self) -> DCutSnapshot | None:

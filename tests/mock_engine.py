@@ -9,7 +9,10 @@ Failures on demand: per request, ``FAULT`` in the prompt is an engine fault (a 5
 event as vLLM sends it; counted failed, the replica keeps serving), as ``tests.fault_engine`` does to the real
 engine. Per instance (a test reaches the engine through its replica, ``replica.engine``):
 ``die_before_first`` and ``die_after_chunks`` raise `ActorDiedError` as a dead replica does for the ingress,
-``back_pressure`` raises `BackPressureError` as a full deployment does, ``healthy = False`` fails the health check,
+``back_pressure`` raises `BackPressureError` as a full deployment does, ``engine_dies_after_tokens`` makes the engine
+die inside the live replica after that many tokens of the next request (`EngineDead`, as ``VLLMEngine`` raises for
+vLLM's ``EngineDeadError``: the health check fails from then on; the painted replica still serves the ingress's next
+try, which on a real deployment goes to another replica), ``healthy = False`` fails the health check,
 ``token_delay_s`` slows generation, ``snapshot_delay_s`` makes D-Cut's state slow to read; a subclass's
 ``start_delay_s`` makes a slow start, half of it reported as compiling (its snapshot's ``compile_s``).
 
@@ -69,6 +72,7 @@ class MockEngine(Engine):
         self.name = settings.served_model_name or Path(settings.model).name
         self.die_before_first = 0  # the next this many requests find the replica dead
         self.die_after_chunks: int | None = None  # streams: the replica dies after this many chunks
+        self.engine_dies_after_tokens: int | None = None  # the engine dies inside the replica (once)
         self.back_pressure = 0  # the next this many requests find every replica full
         self.healthy = True
         self.token_delay_s = 0.0
@@ -179,12 +183,17 @@ class MockEngine(Engine):
     async def _generate(self, n: int) -> AsyncGenerator[str, None]:
         for i in range(n):
             await asyncio.sleep(self.token_delay_s)  # 0 still yields: a cancellation reaches the request here
+            if self.engine_dies_after_tokens is not None and i >= self.engine_dies_after_tokens:
+                self.engine_dies_after_tokens = None
+                raise self.died("mock engine core died")
             yield f" w{i}"
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "dcut-serve"}]}
 
     async def check_health(self) -> None:
+        if self.dead is not None:
+            raise self.died(self.dead)
         if not self.healthy:
             raise RuntimeError("mock engine unhealthy")
 

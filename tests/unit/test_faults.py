@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
+from deployments.engine import EngineDead
 from deployments.ingress import replica_died
 from loadtest.faults import stream_ending
 
@@ -14,6 +15,9 @@ def test_replica_death_is_an_actor_error_however_wrapped():
     assert replica_died(wrapped)
     assert not replica_died(RayTaskError("completions", "traceback", ValueError("bad request")))
     assert not replica_died(RuntimeError("engine fault"))
+    # the engine dead inside a live replica (vLLM's EngineDeadError, issue 64) is the replica's death too
+    assert replica_died(EngineDead("engine core died"))
+    assert replica_died(RayTaskError("completions", "traceback", EngineDead("engine core died")))
 
 
 def test_stream_endings():

@@ -163,6 +163,21 @@ def test_replica_dying_mid_stream_ends_it_with_an_error_event(app):
     assert json.loads(got[-2])["error"]["code"] == 500 and "mid-stream" in json.loads(got[-2])["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_dead_inside_a_live_replica_counts_as_its_death(app, stream):
+    """vLLM's EngineDeadError inside a live replica (issue 64): not a 500 of the request but the replica's death, so
+    the request is tried again before its first byte, and the replica fails its health check from then on."""
+    from deployments.engine import EngineDead
+
+    run(app.replica.check_health())
+    app.engine.engine_dies_after_tokens = 0
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": stream}))
+    assert r.status_code == 200 and "error" not in r.text, r.text
+    assert app.engine.engine_dies_after_tokens is None and app.engine.load.failed_total == 0
+    with pytest.raises(EngineDead, match="mock engine core died"):
+        run(app.replica.check_health())
+
+
 def test_back_pressure_is_503_with_retry_after(app):
     """Serve's handle raises BackPressureError when every replica's queue is full (local testing mode has no
     queues: the mock raises it in their place); the ingress answers 503 with its Retry-After."""
