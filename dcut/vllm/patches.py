@@ -67,8 +67,8 @@ _RUNNER_PROPOSE_PARAMS = ("self", "scheduler_output", "sampled_token_ids", "samp
 
 PATCHES: tuple[Patch, ...] = (
     Patch(_CONFIG, "__post_init__", engine_config.wrap_post_init, any_version=True),
-    Patch(_PROPOSER, "propose", confidence.wrap_propose),
     Patch(_CONFIG, "use_v2_model_runner", engine_config.wrap_use_v2_model_runner, ("self",)),
+    Patch(_PROPOSER, "propose", confidence.wrap_propose),
     Patch(_PROPOSER, "_sample_draft_tokens", confidence.wrap_sample_draft_tokens,
           ("self", "hidden_states", "sampling_metadata")),
     Patch(_RUNNER, "execute_model", step_hooks.wrap_execute_model, ("self", "scheduler_output")),
@@ -124,12 +124,12 @@ def owner_of(patch: Patch) -> type | ModuleType | None:
     return getattr(module, class_name) if class_name else module
 
 
-def _wrap(owner: type | ModuleType, name: str, make: Wrapper, params: tuple[str, ...] = ()) -> None:
-    """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it, or if
 class _WrappedProperty(property):
     """A property whose getter a patch wrapped; unlike ``property`` it can carry ``__dcut_wraps__``."""
 
 
+def _wrap(owner: type | ModuleType, name: str, make: Wrapper, params: tuple[str, ...] = ()) -> None:
+    """Replace ``owner.name`` by ``make(original)``; refuse loudly if vLLM no longer has it, or if
     the leading parameters the wrapper binds by position are not the ones it was written for. A property has
     its getter wrapped."""
     where = f"{owner.__name__}.{name}" if isinstance(owner, ModuleType) else \
