@@ -20,6 +20,7 @@ COMMANDS = {
     "replay": "dcut.commands.replay",
     "compare": "dcut.commands.compare",
     "pool": "dcut.commands.pool",
+    "report": "dcut.commands.report",
 }
 
 
