@@ -4,7 +4,7 @@ Host-side numpy on a ``[bs, K]`` copy of the drafter's log-confidences. The deci
 at most a few thousand numbers, and the cut reads its keep depths on the host in the same step anyway. As torch ops
 (or GPU kernel launches) each cost the host several microseconds, more with the caches the forward pass left cold;
 the same work in numpy ufuncs took a drafting step's D-Cut hooks from about 1.1-1.3 ms to 0.6-0.8 ms on a CPU
-engine's cold caches (``dcut bench-policy --step --cold``, docs/benchmarks.md section 3).
+engine's cold caches (``dcut bench-policy --step --cold``, docs/history.md section 3).
 """
 
 from __future__ import annotations

@@ -113,10 +113,10 @@ class EngineReplicaSettings(_Strict):
     @classmethod
     def _no_routing(cls, data: object) -> object:
         """``routing`` chose D-Cut's request router, removed because it lost to Serve's default router
-        (docs/benchmarks.md §6): say so rather than just "extra inputs are not permitted"."""
+        (docs/history.md §6): say so rather than just "extra inputs are not permitted"."""
         if isinstance(data, dict) and "routing" in data:
             raise ValueError("engine_replica.routing is no longer a setting: the D-Cut request router was removed "
-                             "(it lost to Serve's default router, docs/benchmarks.md §6); delete routing: from the "
+                             "(it lost to Serve's default router, docs/history.md §6); delete routing: from the "
                              "config, the replicas use Serve's default routing (power of two choices)")
         return data
 

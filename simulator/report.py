@@ -229,7 +229,7 @@ def readme(args: argparse.Namespace, command: str, machine: dict, replica: Repli
         "# The autoscaler at scale, simulated",
         "",
         "Made by `simulator/` (what it replays and how: its docstrings; the findings: "
-        "`docs/benchmarks.md`, section 7):",
+        "`docs/history.md`, section 7):",
         "",
         f"```bash\n{command}\n```",
         "",

@@ -1,7 +1,7 @@
 """How many positions to draft this step: the joint choice of drafted width and verify budget.
 
 D-Cut's verify budget alone leaves the drafter's own pass untouched, and on small targets that
-pass, not verification, dominates a speculative step (``docs/benchmarks.md``). Before drafting,
+pass, not verification, dominates a speculative step (``docs/history.md``). Before drafting,
 ``choose_width`` picks the width W (0 = draft nothing) that maximises expected tokens per
 second of the whole step::
 

@@ -54,7 +54,7 @@ def test_mode_auto_is_refused_naming_its_new_name() -> None:
 
 @pytest.mark.parametrize("routing", [{"policy": "dcut"}, {"policy": "default"}, {}])
 def test_routing_is_refused_saying_the_dcut_router_was_removed(routing: dict) -> None:
-    """The D-Cut request router lost to Serve's default router and was removed (docs/benchmarks.md §6): a config
+    """The D-Cut request router lost to Serve's default router and was removed (docs/history.md §6): a config
     that still sets ``engine_replica.routing`` (even to ``default``) fails naming the field and why."""
     with pytest.raises(ValidationError, match=r"engine_replica\.routing .*D-Cut request router was removed") as e:
         AppConfig.model_validate({"engine_replica": {"routing": routing}})
