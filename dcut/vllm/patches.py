@@ -17,8 +17,8 @@ What is wrapped, by the module that holds the wrapper:
   log-probability of each token it drafts; SpecExit's signal head on the drafter's hidden states.
 - ``dcut.vllm.step_hooks`` — ``GPUModelRunner.execute_model`` / ``._prepare_inputs`` / ``._sample`` /
   ``.propose_draft_token_ids`` / ``.take_draft_token_ids``: the engine step (width, decision, cut, SpecExit).
-- ``dcut.vllm.profiling`` — ``Worker.compile_or_warm_up_model`` / ``CPUWorker.compile_or_warm_up_model``: the
-  cost table, once the KV cache exists.
+- ``dcut.vllm.profiling`` — ``Worker._maybe_activate_jit_monitor`` / ``CPUWorker.compile_or_warm_up_model``: the
+  cost table, once vLLM's warm-up is done and before its JIT monitor and GPU sync check start.
 - ``dcut.vllm.vllm_fixes`` — ``rejection_sampler.expand_batch_to_tokens`` / ``.apply_sampling_constraints``: two
   vLLM 0.32 bugs, fixed for EVERY engine in the environment (opt out: ``DCUT_VLLM_FIXES=0``).
 
@@ -76,7 +76,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_RUNNER, "propose_draft_token_ids", step_hooks.wrap_propose_draft_token_ids, _RUNNER_PROPOSE_PARAMS),
     Patch(_RUNNER, "take_draft_token_ids", step_hooks.wrap_take_draft_token_ids, ("self",)),
     Patch(_RUNNER, "_sample", step_hooks.wrap_sample, ("self", "logits", "spec_decode_metadata")),
-    Patch("vllm.v1.worker.gpu_worker:Worker", "compile_or_warm_up_model", profiling.wrap_compile_or_warm_up_model),
+    Patch("vllm.v1.worker.gpu_worker:Worker", "_maybe_activate_jit_monitor", profiling.wrap_activate_jit_monitor,
+          ("self",)),
     Patch(_SAMPLER, "expand_batch_to_tokens", vllm_fixes.wrap_expand_batch_to_tokens,
           ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"), vllm_fix=True),
     Patch(_SAMPLER, "apply_sampling_constraints", vllm_fixes.wrap_apply_sampling_constraints,

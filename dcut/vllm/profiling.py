@@ -1,7 +1,10 @@
 """The cost table, once the KV cache exists: loaded, or profiled with the engine's own dummy steps; and the
 drafter's input kernel warmed up for every width mode ``joint`` may draft.
 
-Runs from the worker's ``compile_or_warm_up_model`` (``Worker`` and ``CPUWorker``), after vLLM's own warm-up.
+Runs where vLLM's own warm-up is done but before it starts watching the steps: on CUDA, in
+``Worker._maybe_activate_jit_monitor``, which ``Worker.compile_or_warm_up_model`` calls after graph capture and the
+sampler warm-up and just before the JIT monitor and the GPU sync check start (D-Cut's dummy steps and the DFlash
+kernel's compiles would trip both); on CPU, which has neither, after ``CPUWorker.compile_or_warm_up_model``.
 Where a table comes from (given, cache, profiled, fallback) is ``RunnerDCut.load_or_profile``'s choice; this
 module only says how to run one verify step and one drafter pass of a given shape.
 """
@@ -19,27 +22,42 @@ from dcut.vllm.runner_hooks import hooks_for
 from dcut.vllm.state import RunnerDCut
 
 
+def wrap_activate_jit_monitor(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``vllm.v1.worker.gpu_worker.Worker._maybe_activate_jit_monitor``: D-Cut's start-up first."""
+    def _maybe_activate_jit_monitor(self: Any) -> None:
+        start_dcut(self)
+        original(self)
+    return _maybe_activate_jit_monitor
+
+
 def wrap_compile_or_warm_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps ``vllm.v1.worker.gpu_worker.Worker.compile_or_warm_up_model`` and
-    ``vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model``."""
+    """Wraps ``vllm.v1.worker.cpu_worker.CPUWorker.compile_or_warm_up_model`` (which never calls the JIT monitor's
+    hook): D-Cut's start-up after vLLM's warm-up."""
     def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        runner = self.model_runner
-        state = hooks_for(runner).dcut  # a pair SpecExit cannot run on fails here, at start-up
-        if state is not None:  # vLLM's CompilationTimes (the CPU worker compiled earlier and says 0)
-            compiled = getattr(result, "language_model", None)
-            state.compile_s = float(compiled) + float(getattr(result, "encoder", 0.0) or 0.0) if compiled else None
-        if state is not None and state.cost_source == "pending":
-            state.load_or_profile(functools.partial(_profile_step, runner, state),
-                                  functools.partial(_profile_draft, runner),
-                                  _profile_batch_sizes(runner, state), _profile_context_lens(runner, state))
-            from vllm.utils.torch_utils import set_random_seed
-
-            set_random_seed(self.model_config.seed)  # profiling must not shift the sampling RNG
-        if state is not None and state.joint:
-            _warm_up_widths(runner, state)
+        start_dcut(self)
         return result
     return compile_or_warm_up_model
+
+
+def start_dcut(worker: Any) -> None:
+    """Load or profile the cost table and warm up the drafter's widths, on a worker whose warm-up is done."""
+    runner = worker.model_runner
+    state = hooks_for(runner).dcut  # a pair SpecExit cannot run on fails here, at start-up
+    if state is None:
+        return
+    compiled = worker.compilation_config.compilation_time  # what vLLM's CompilationTimes reports (CPU: 0)
+    state.compile_s = float(compiled) + float(worker.compilation_config.encoder_compilation_time or 0.0) \
+        if compiled else None
+    if state.cost_source == "pending":
+        state.load_or_profile(functools.partial(_profile_step, runner, state),
+                              functools.partial(_profile_draft, runner),
+                              _profile_batch_sizes(runner, state), _profile_context_lens(runner, state))
+        from vllm.utils.torch_utils import set_random_seed
+
+        set_random_seed(worker.model_config.seed)  # profiling must not shift the sampling RNG
+    if state.joint:
+        _warm_up_widths(runner, state)
 
 
 def _profile_batch_sizes(runner: Any, state: RunnerDCut) -> list[int]:

@@ -80,3 +80,39 @@ def test_async_scheduling_asked_of_a_dcut_engine_is_refused_quietly(monkeypatch:
     assert _resolved(engine_config(DCUT.model_copy(update={"async_scheduling": True}))) == (False, False, "PIECEWISE")
     assert engine_config(VLLM_DFLASH.model_copy(update={"async_scheduling": False})).scheduler_config \
         .async_scheduling is False
+
+
+def test_dcut_start_up_runs_before_vllm_watches_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 7: D-Cut's profiling ran after ``Worker.compile_or_warm_up_model`` had started vLLM's JIT monitor
+    and GPU sync check. vLLM's own warm-up is run here (the installed patches, a stand-in worker, device work
+    stubbed) and the order recorded."""
+    from types import SimpleNamespace as NS
+
+    import vllm.utils.jit_monitor
+    import vllm.v1.worker.gpu_worker as gpu_worker
+    from vllm.config import CompilationMode
+
+    from dcut.vllm import patches, profiling
+
+    patches.install()
+    events: list[str] = []
+    monkeypatch.setattr(vllm.utils.jit_monitor, "activate", lambda **kw: events.append("jit monitor"))
+    monkeypatch.setattr(gpu_worker, "enable_gpu_sync_check", lambda: events.append("sync check"))
+    for name in ("kernel_warmup", "freeze_gc_heap", "maybe_attach_gc_debug_callback", "set_random_seed"):
+        monkeypatch.setattr(gpu_worker, name, lambda *a, **kw: None)
+    settings = NS(profile_batch_sizes=[1], profile_context_lens=[], profile_context_len=8)
+    state = NS(cost_source="pending", joint=False, k=2, settings=settings,
+               load_or_profile=lambda *a: events.append("dcut profile"))
+    monkeypatch.setattr(profiling, "hooks_for", lambda runner: NS(dcut=state))
+    compilation = NS(mode=CompilationMode.NONE, backend="", compilation_time=0.0, encoder_compilation_time=0.0)
+    worker = object.__new__(gpu_worker.Worker)
+    vars(worker).update(
+        vllm_config=NS(compilation_config=compilation, kernel_config=NS(enable_jit_warmup=True)),
+        compilation_config=compilation, use_v2_model_runner=False, model_config=NS(enforce_eager=True, seed=0),
+        cache_config=NS(kv_cache_memory_bytes=1), parallel_config=NS(data_parallel_index=0),
+        observability_config=NS(jit_monitor_mode="warn", jit_monitor_verbose=False),
+        model_runner=NS(maybe_remove_all_loras=lambda lora: None, lora_config=None, max_num_tokens=64,
+                        max_model_len=64, scheduler_config=NS(max_num_seqs=1)))
+    monkeypatch.setattr(gpu_worker, "get_pp_group", lambda: NS(is_last_rank=False))
+    gpu_worker.Worker.compile_or_warm_up_model(worker)
+    assert events == ["dcut profile", "jit monitor", "sync check"]
