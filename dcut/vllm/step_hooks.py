@@ -144,10 +144,9 @@ def _stash_context(runner: Any, stash: ContextStash, scheduler_output: Any, req_
     written again when that position is decoded for real).
     """
     # The target's outputs are fresh tensors every step (no CUDA graph on this path): kept as views, sliced and
-    # concatenated at flush (one copy of many steps instead of one per step). Positions: the runner's 1-D buffer that
-    # ``GPUModelRunner._get_positions`` slices, sliced by the stash (M-RoPE's [3, n] positions are not handled here).
+    # concatenated at flush (one copy of many steps instead of one per step).
     hidden = aux_hidden_states if runner.use_aux_hidden_state_outputs else [hidden_states]
-    positions, slots = runner.positions, common_attn_metadata.slot_mapping
+    positions, slots = context_positions(runner), common_attn_metadata.slot_mapping
     counts = [scheduler_output.num_scheduled_tokens[r] for r in req_ids]
     drafted = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
     if drafted is None or not any(drafted):
@@ -161,6 +160,14 @@ def _stash_context(runner: Any, stash: ContextStash, scheduler_output: Any, req_
     within = torch.arange(n) - (torch.cumsum(counts_t, 0) - counts_t)[owner]
     keep = (within < rows[owner]).to(slots.device)
     stash.add([h[:n][keep] for h in hidden], positions[:n][keep], slots[:n][keep], req_ids, rows.tolist())
+
+
+def context_positions(runner: Any) -> torch.Tensor:
+    """The positions DFlash's own first pass writes context K/V at, as one row over the step's tokens: the runner's
+    1-D buffer, or on an M-RoPE target the first (temporal) row of its [3, n] positions, the row vLLM's DFlash input
+    kernel reads (it is handed ``_get_positions``' [3, n] view and loads ``target_positions_ptr + i``). The two
+    differ after an image, where M-RoPE positions no longer count tokens."""
+    return runner.mrope_positions.gpu[0] if runner.uses_mrope else runner.positions
 
 
 def _extra_args(requests: dict[str, Any], req_id: str) -> dict | None:

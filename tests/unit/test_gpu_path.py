@@ -116,3 +116,35 @@ def test_dcut_start_up_runs_before_vllm_watches_the_steps(monkeypatch: pytest.Mo
     monkeypatch.setattr(gpu_worker, "get_pp_group", lambda: NS(is_last_rank=False))
     gpu_worker.Worker.compile_or_warm_up_model(worker)
     assert events == ["dcut profile", "jit monitor", "sync check"]
+
+
+@pytest.mark.parametrize("drafted", [None, [2, 1]], ids=["width-0 step", "after a verify"])
+def test_catch_up_writes_the_positions_dflash_reads_on_mrope_targets(drafted) -> None:
+    """Defect 5: the width-0 stash took the runner's 1-D positions, which on an M-RoPE target (Qwen3.5) are not
+    the positions vLLM's DFlash writes context at after an image. Request a: 1 token + 2 drafts (1 accepted),
+    b: 1 + 1 (none accepted); M-RoPE positions shifted by 40 (an image before), the 1-D ones not."""
+    from types import SimpleNamespace as NS
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from dcut.vllm.catch_up import ContextStash
+    from dcut.vllm.step_hooks import _stash_context
+
+    n = 5
+    sequence = torch.tensor([7, 8, 9, 3, 4, 0, 0])  # the runner's buffers run past the step's tokens
+    mrope = torch.stack([sequence + 40, sequence + 41, sequence + 42])
+    runner = NS(use_aux_hidden_state_outputs=False, positions=sequence, uses_mrope=True,
+                mrope_positions=NS(gpu=mrope))
+    written = []
+    drafter = NS(combine_hidden_states=lambda h: h,
+                 precompute_and_store_context_kv=lambda h, positions, slots: written.append(positions))
+    stash = ContextStash(host=True)
+    _stash_context(runner, stash, NS(num_scheduled_tokens={"a": 3, "b": 2}, total_num_scheduled_tokens=n),
+                   ["a", "b"], torch.tensor([[11, 12, -1], [13, -1, -1]]), torch.zeros(n + 2, 4), None,
+                   None if drafted is None else NS(num_draft_tokens=drafted),
+                   NS(slot_mapping=torch.arange(n + 2) + 100))
+    stash.flush(drafter)
+    dflash_reads = GPUModelRunner._get_positions(runner, n)[0]  # what its kernel loads: row 0 of the view
+    rows = [0, 1, 2, 3, 4] if drafted is None else [0, 1, 3]
+    assert written[0].tolist() == dflash_reads[rows].tolist() == [p + 40 for p in sequence[rows].tolist()]
