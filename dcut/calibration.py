@@ -129,6 +129,12 @@ class Calibrator:
             calibrated = np.minimum(np.log(a[cell] + b[cell] * raw), 0.0)
         return calibrated if k == log_conf.shape[-1] else np.concatenate([calibrated, log_conf[..., k:]], axis=-1)
 
+    def lookup_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(a, b)``, each ``[k, bins]`` float32, with ``calibrated = a + b * raw`` per (position, bin): the table
+        the device-side cut gathers from (``dcut.cut.CalibrationTable``), rebuilt here when the counts change."""
+        a, b = self._lut()
+        return a.reshape(self.k, self.bins), b.reshape(self.k, self.bins)
+
     def state(self) -> CalibrationState:
         """The counts, for ``dcut.learned`` (a new replica starts from them)."""
         self.flush()

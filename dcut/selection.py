@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from dcut.buckets import REFERENCE_RATIOS, bucket_budget
 from dcut.settings import DCutSettings
@@ -28,37 +26,6 @@ class CostLookup(Protocol):
         """Cost in ms (> 0) of a step of ``bs`` requests verifying ``verify_tokens`` tokens
         (elementwise); None when nothing covers this batch size."""
         ...
-
-
-# Float32 bytes of the logits converted at a time by ``log_confidence``: a whole float32 copy at bs 64, width 15 and
-# a 151,936-token vocabulary is 0.58 GB that vLLM's memory profiling never sees; 32 MiB at a time keeps the transient
-# at an eighth of the bf16 logits there (measured: 31.9 of 278 MiB; tests/unit/test_confidence_memory.py), 18 chunks.
-CONFIDENCE_CHUNK_BYTES = 32 << 20
-
-
-def log_confidence(logits: Tensor, tokens: Tensor) -> Tensor:
-    """``logit[tok] - logsumexp(logits)`` in float32, on the logits' device: the drafter's log-probability of
-    each draft (over the vocabulary, so it stays where the logits are). The log-sum-exp is taken over row chunks
-    converted to float32 one at a time (``CONFIDENCE_CHUNK_BYTES``: why), never over a float32 copy of the whole."""
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    picked = flat.gather(-1, tokens.long().reshape(-1, 1)).squeeze(-1).float()
-    top = flat.amax(dim=-1).float()  # (exact: a bf16/fp16 value converts to float32 without rounding)
-    sums = torch.empty_like(top)
-    rows = min(flat.shape[0], max(1, CONFIDENCE_CHUNK_BYTES // (4 * max(vocab, 1))))  # (shapes: no device read)
-    chunk = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)  # one buffer, reused
-    for start in range(0, flat.shape[0], rows):
-        part = chunk[: min(rows, flat.shape[0] - start)]
-        part.copy_(flat[start: start + rows]).sub_(top[start: start + rows, None]).exp_()
-        torch.sum(part, dim=-1, out=sums[start: start + rows])
-    return (picked - top - sums.log()).view(logits.shape[:-1])
-
-
-def log_confidence_of_probs(probs: Tensor, tokens: Tensor) -> Tensor:
-    """``log p[tok] - log(sum p)`` in float32 (probabilities floored at 1e-30): what ``log_confidence`` gives on the
-    log of ``probs``, without a ``[rows, vocab]`` log copy."""
-    picked = probs.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1).float().clamp_min(1e-30)
-    return picked.log() - probs.sum(dim=-1, dtype=torch.float32).log()
 
 
 def prefix_scores(log_conf: np.ndarray, max_depth: np.ndarray | None = None) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dcut.selection import log_confidence, log_confidence_of_probs
+from dcut.cut import log_confidence, log_confidence_of_probs
 from dcut.vllm.draft_pass import DraftPass
 from dcut.vllm.runner_hooks import drafter_hooks
 
@@ -45,7 +45,7 @@ def wrap_sample_draft_tokens(original: Callable[..., Any]) -> Callable[..., Any]
         greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
         if greedy and not self.use_local_argmax_reduction and not self.use_heterogeneous_vocab:
             # The same logits and argmax as vLLM's _greedy_sample; we also keep log p(token), without a float32
-            # or log-probability copy of the [rows, vocab] logits (dcut.selection.log_confidence).
+            # or log-probability copy of the [rows, vocab] logits (dcut.cut.log_confidence).
             logits = self.model.compute_logits(hidden_states)
             tokens = logits.argmax(dim=-1)
             sink.append(log_confidence(logits, tokens))

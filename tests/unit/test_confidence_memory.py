@@ -1,6 +1,6 @@
 """The drafter's log-confidences without a float32 copy of its logits (issue 61, item 4).
 
-``dcut.selection.log_confidence`` must give what the float32 ``logit[tok] - logsumexp`` gave, and computing it at
+``dcut.cut.log_confidence`` must give what the float32 ``logit[tok] - logsumexp`` gave, and computing it at
 bs 64, width 15 and a 151,936-token vocabulary (bf16 logits, 0.29 GB) must allocate at most a quarter of the logits'
 size beyond them: a float32 copy alone is twice their size, and vLLM's memory profiling never sees it.
 """
@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import dcut.selection
-from dcut.selection import log_confidence, log_confidence_of_probs
+import dcut.cut
+from dcut.cut import log_confidence, log_confidence_of_probs
 
 
 def _float32_reference(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _extra_peak(fn: Any, *args: torch.Tensor) -> int:
 def test_log_confidence_is_the_float32_logsumexp(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                  shape: tuple[int, ...]) -> None:
     """Greedy tokens and random ones, over chunks that split the rows unevenly (a chunk of 8 rows here)."""
-    monkeypatch.setattr(dcut.selection, "CONFIDENCE_CHUNK_BYTES", 8 * 4 * shape[-1])
+    monkeypatch.setattr(dcut.cut, "CONFIDENCE_CHUNK_BYTES", 8 * 4 * shape[-1])
     generator = torch.Generator().manual_seed(sum(shape))
     logits = (torch.randn(shape, generator=generator) * 4).to(dtype)
     before = logits.clone()

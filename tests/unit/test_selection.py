@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcut.cost_table import CostTable, Fingerprint, profile_token_points
+from dcut.cut import log_confidence
 from dcut.selection import (
     REFERENCE_RATIOS,
     bucket_budget,
     keep_depths_for_budget,
-    log_confidence,
     prefix_scores,
     select,
 )
