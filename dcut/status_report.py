@@ -155,11 +155,11 @@ def block(root: Path) -> str:
     return "\n".join(lines)
 
 
-def readme_block(text: str) -> str:
-    """What a README holds between the markers (stripped of the newlines next to them)."""
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"no {BEGIN} ... {END} block")
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+def readme_block(text: str, begin: str = BEGIN, end: str = END) -> str:
+    """What a README holds between two markers (stripped of the newlines next to them)."""
+    if begin not in text or end not in text:
+        raise ValueError(f"no {begin} ... {end} block")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
 
 
 def with_block(text: str, new: str) -> str:

@@ -107,8 +107,9 @@ def schedule_from_sweep(record: dict[str, Any]) -> Schedule:
     return [tuple(r) for r in best_k_schedule(by_k, sorted({bs for rows in by_k.values() for bs in rows}))]
 
 
-# Where `make sweep` writes each embedded pair's sweep (docs/).
-COMMITTED_SWEEPS = {"dense": "sweep", "moe": "sweep-moe", "deep": "sweep-deep"}
+# Where `make sweep` writes each embedded pair's sweep (under docs/).
+COMMITTED_SWEEPS = {"dense": "experiments/2026-11-29-sweep-dense", "moe": "experiments/2026-11-29-sweep-moe",
+                    "deep": "experiments/2026-12-01-sweep-deep"}
 
 
 def committed_sweep(config: dict, docs: Path) -> Path:

@@ -287,7 +287,7 @@ def pin_one_replica(serve: ServeProcess, cpus: str) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=REPO / "docs" / "loadtest")
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "experiments" / "2026-12-01-loadtest")
     p.add_argument("--config", type=Path, default=REPO / "app.config.yaml")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
     p.add_argument("--users", default="1,8,32,64,128,256", help="closed-loop points (users); '' for none")

@@ -30,6 +30,8 @@ from loadtest.figures import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+DENSE_SWEEP = REPO / "docs" / "experiments" / "2026-11-29-sweep-dense" / "sweep.json"
+DEEP_SWEEP = REPO / "docs" / "experiments" / "2026-12-01-sweep-deep" / "sweep.json"
 
 
 # ---- percentiles -------------------------------------------------------------------------------------
@@ -244,7 +246,7 @@ def test_arms_configure_one_app_four_ways():
 
 
 def test_dynamic_schedule_from_the_committed_sweep():
-    record = json.loads((REPO / "docs" / "sweep" / "sweep.json").read_text())
+    record = json.loads((DENSE_SWEEP).read_text())
     schedule = schedule_from_sweep(record)
     # The sweep's own dynamic mode was run with the same schedule (it writes it into its notes).
     assert str(schedule) in " ".join(record["notes"])
@@ -258,14 +260,14 @@ def test_dynamic_schedule_from_the_committed_sweep():
         bs = hi if hi in by_bs else max(by_bs)
         assert by_bs[bs][k] == max(by_bs[bs].values())
     assert load_schedule("1-4:7,5-64:3", Path("missing.json"))[0] == [(1, 4, 7), (5, 64, 3)]
-    assert "dynamic_fixed_k" in load_schedule(None, REPO / "docs" / "sweep" / "sweep.json")[1]
+    assert "dynamic_fixed_k" in load_schedule(None, DENSE_SWEEP)[1]
 
 
 def test_dynamic_arm_sized_on_the_served_pair():
     """The default config serves the deep pair: its dynamic arm takes the deep sweep's schedule, not another pair's."""
     config = yaml.safe_load((REPO / "app.config.yaml").read_text())
     sweep = committed_sweep(config, REPO / "docs")
-    assert sweep == REPO / "docs" / "sweep-deep" / "sweep.json" and sweep.exists()
+    assert sweep == DEEP_SWEEP and sweep.exists()
     assert "models/deep" in load_schedule(None, sweep)[1]
     app_entry(config)["args"]["engine"]["model"] = "/elsewhere/qwen3-8b"
     with pytest.raises(ValueError, match="not an embedded pair"):
@@ -372,7 +374,7 @@ def test_main_plans_arms_points_and_repeats(tmp_path, monkeypatch):
         ("joint", "users", 1.0, 2), ("joint", "users", 2.0, 2), ("joint", "rate", 4.0, 2), ("joint", "rate", 8.0, 2)]
     assert len(measured) == 4 * 2 * 4
     record = json.loads((out / "results.json").read_text())
-    deep_schedule = load_schedule(None, REPO / "docs" / "sweep-deep" / "sweep.json")[0]  # the served pair's sweep
+    deep_schedule = load_schedule(None, DEEP_SWEEP)[0]  # the served pair's sweep
     assert record["setup"]["rates"] == [4.0, 8.0]
     assert record["setup"]["spec_schedule"] == [list(r) for r in deep_schedule]
     assert len(record["points"]) == 4 * 4 and all(p["repeats"] == 2 for p in record["points"])

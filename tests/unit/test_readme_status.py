@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dcut.cli import main
-from dcut.status_report import BEGIN, END, LIVE_POOLED, block, readme_block, rows, with_block
+from dcut.status_report import BEGIN, END, LIVE_POOLED, block, readme_block, rows, trace_acceptance, with_block
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -65,3 +65,13 @@ def test_write_replaces_only_the_block(tmp_path):
     with pytest.raises(ValueError):
         readme_block(readme.read_text())
     assert main(["report", "status", "--root", str(ROOT), "--check", str(readme)]) == 2
+
+
+def test_the_deep_cards_quote_the_committed_traces_acceptance(capsys):
+    """The deep pair's cards quote mean accepted drafts per width from the committed trace, as the command prints."""
+    assert main(["report", "acceptance", "--trace", str(ROOT / "docs/results/replay/traces/deep")]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert round(trace_acceptance(ROOT / "docs/results/replay/traces/deep")[15][0], 2) == 3.52
+    for card in ("models/deep/README.md", "models/deep-dflash/README.md"):
+        text = (ROOT / card).read_text()
+        assert readme_block(text, "<!-- acceptance:begin -->", "<!-- acceptance:end -->") == printed, card
