@@ -175,6 +175,9 @@ class EngineSettings(BaseModel):
                                           "on for a GPU, off on CPU). A D-Cut or SpecExit engine runs synchronously "
                                           "whatever is set (D-Cut cuts drafts before the next schedule).")
     enforce_eager: bool = Field(False, description="vLLM's default: compiled. True runs eagerly (faster start).")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0.0, le=1.0, description="Share of the GPU this engine may take (None: vLLM's default, 0.9). "
+        "Benchmarks that hold several engines on one GPU split it between them (dcut.memory); ignored on CPU.")
     seed: int = 0
     served_model_name: str | None = None
     dcut: DCutSettings | None = Field(default_factory=DCutSettings,

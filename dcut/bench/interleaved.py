@@ -68,6 +68,7 @@ from tqdm import tqdm
 from dcut.bench.breakdown import PARTS, StepBreakdown
 from dcut.bench.generate import _build_engine, dynamic_settings, settings_for_mode, token_ids_sha256, unknown_mode
 from dcut.machine import machine_info, provenance
+from dcut.memory import on_this_gpu
 from dcut.settings import EngineSettings
 
 TRAFFIC = ("steady", "batch")
@@ -176,6 +177,8 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     # No prefix caching in any arm (EngineSettings.prefix_caching says why): every repeat sends the same prompts.
     base = base.model_copy(update={"max_num_seqs": max(batch_sizes), "prefix_caching": False})
     arms = arms_for(base, modes, schedule)
+    shares = on_this_gpu([(a.name, a.settings) for a in arms])  # one GPU, several engines: dcut.memory, before any
+    arms = [Arm(a.name, s) for a, s in zip(arms, shares, strict=True)]
     order_rng, boot = random.Random(seed), np.random.default_rng(seed)
     builds = list(arms)
     if build_order == "shuffled":

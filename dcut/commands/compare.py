@@ -9,6 +9,7 @@ from pathlib import Path
 from dcut.bench.interleaved import BUILD_ORDERS, COMPARE_MODES, PINNED, TRAFFIC, base_mode
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
+from dcut.memory import GpuMemoryError
 from dcut.prompts import DEFAULT_PROMPTS, token_prompts
 
 HELP = "Interleaved live comparison of none/full/dynamic/joint and diagnostic arms: medians, 95% intervals, verdicts."
@@ -64,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
                                f"({base.max_model_len - args.max_tokens})")
         prompts = token_prompts(prompts, Path(base.model) / "tokenizer.json", args.prompt_tokens,
                                 max(64, len(prompts)))
-    record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule, args.seed,
-                     args.traffic, args.breakdown, args.build_order)
+    try:
+        record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule,
+                         args.seed, args.traffic, args.breakdown, args.build_order)
+    except GpuMemoryError as e:  # raised before any engine starts
+        raise CommandError(str(e)) from e
     record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,8 @@ def engine_kwargs(settings: EngineSettings) -> dict[str, Any]:
         kw["served_model_name"] = settings.served_model_name
     if settings.prefix_caching is not None:
         kw["enable_prefix_caching"] = settings.prefix_caching
+    if settings.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = settings.gpu_memory_utilization
     if settings.async_scheduling is not None:
         kw["async_scheduling"] = settings.async_scheduling
     if settings.method != "none":
