@@ -16,7 +16,7 @@ ifeq ($(EXTRA),cpu)
 export VLLM_USE_AOT_COMPILE ?= 0
 endif
 
-.PHONY: setup test test-unit serve lint sweep replay compare compare-floor compare-moe compare-batch loadtest loadtest-quick
+.PHONY: setup test test-unit serve lint sweep replay compare compare-floor compare-moe compare-batch loadtest loadtest-quick status
 
 setup: $(STAMP) $(CHROMIUM)
 
@@ -55,6 +55,7 @@ sweep: $(STAMP)
 
 replay: $(STAMP)   # every policy on the committed traces and cost models, deterministic, five starts per cell (~16 min): docs/results/replay
 	$(VENV)/bin/dcut replay --out docs/results/replay
+	$(MAKE) status
 
 # the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
 # (~50 min here): docs/results/live
@@ -62,18 +63,25 @@ compare: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
 		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
 		--out docs/results/live
+	$(MAKE) status
 
 # the width-0 floor, engines built A B B A so that their place in the process averages out (~50 min here):
 # docs/results/floor
 compare-floor: $(STAMP)
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,joint-w0,joint-w0#2,none#2 \
 		--build-order given --repeats 5 --max-tokens 128 --traffic steady --breakdown --out docs/results/floor
+	$(MAKE) status
 
 # the MoE pair at bs 1 and 4, with where each mode's step time goes (D-Cut's host work on this pair) (~10 min here):
 # docs/results/moe
 compare-moe: $(STAMP)
 	$(VENV)/bin/dcut compare --pair moe --bs 1,4 --modes none,full,dynamic,joint,joint-w0 --dynamic-schedule '1-4:15' \
 		--repeats 7 --max-tokens 128 --traffic steady --breakdown --out docs/results/moe
+	$(MAKE) status
+
+# the README's status block, computed again from docs/results/ (tests/unit/test_readme_status.py fails until it is)
+status: $(STAMP)
+	$(VENV)/bin/dcut report status --write README.md
 
 compare-batch: $(STAMP)  # the same in closed batches, each to its last token (~10 min): docs/experiments/2026-12-01-compare-deep-batch
 	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
