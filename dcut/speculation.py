@@ -11,6 +11,12 @@ output is the target's.
 ``RequestSpeculation`` counts, per request, the steps it was decoded in and the drafts it was given, verified and
 had accepted: what the response's ``usage.speculation`` reports and what the per-request acceptance histogram
 observes.
+
+A seeded sampled request (``seed`` set, temperature > 0) that gives no ``max_width`` of its own is decoded plainly
+(cap 0). Which random draws make its text depends on how many of its drafts are verified, and D-Cut decides that
+from its neighbours and from what the engine has learned; with none verified, vLLM draws for it exactly as for a
+request without speculation, so its text is the target's alone with that seed, in any batch, on any replica. A
+``max_width`` trades that for speed: the text is still a sample of the target's distribution, not the same one.
 """
 
 from __future__ import annotations
@@ -48,11 +54,12 @@ def parse_cap(value: Any, k: int, default: int | None = None) -> int | None:
     raise ValueError(f"{FIELD}: expected true, false or {{\"max_width\": N}} with 0 <= N <= {k}")
 
 
-def cap_of(extra_args: dict | None, k: int, default: int | None = None) -> int:
-    """The cap the engine applies to a request: its own, else the engine's ``default``, else k."""
+def cap_of(extra_args: dict | None, k: int, default: int | None = None, seeded: bool = False) -> int:
+    """The cap the engine applies to a request: its own, else 0 for a seeded sampled one (``seeded``; see above),
+    else the engine's ``default``, else k."""
     raw = (extra_args or {}).get(EXTRA_ARG)
     if raw is None:
-        raw = k if default is None else default
+        raw = 0 if seeded else k if default is None else default
     return max(0, min(int(raw), k))
 
 
@@ -84,13 +91,15 @@ class RequestSpeculation:
         self.running: dict[str, SpeculationUsage] = {}
         self.finished: OrderedDict[str, SpeculationUsage] = OrderedDict()
 
-    def caps_for(self, req_ids: list[str], extra_args: Callable[[str], dict | None]) -> list[int]:
-        """Each request's cap; ``extra_args(req_id)``: its SamplingParams.extra_args (read once per request)."""
+    def caps_for(self, req_ids: list[str], cap_inputs: Callable[[str], tuple[dict | None, bool]]) -> list[int]:
+        """Each request's cap; ``cap_inputs(req_id)``: its SamplingParams.extra_args and whether it is seeded and
+        sampled (read once per request)."""
         out = []
         for r in req_ids:
             cap = self.caps.get(r)
             if cap is None:
-                cap = self.caps[r] = cap_of(extra_args(r), self.k, self.default)
+                extra_args, seeded = cap_inputs(r)
+                cap = self.caps[r] = cap_of(extra_args, self.k, self.default, seeded)
             out.append(cap)
         return out
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from dcut.settings import DCutSettings, EngineSettings, renamed_mode
 from dcut.snapshot import DCutSnapshot, WindowSummary
+from dcut.speculation import EXTRA_ARG
 
 GENERATE_MODES = ("none", "full", "fixed", "reference", "continuous", "per_request", "joint")
 
@@ -90,7 +91,12 @@ def generate(settings: EngineSettings, prompts: list[str], batch_sizes: list[int
     start = time.perf_counter()
     llm = _build_engine(LLM, engine_kwargs(settings))
     startup_s = time.perf_counter() - start
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True)
+    # sampled and seeded: the engine's cap given as the request's own, or D-Cut decodes it plainly (dcut.speculation)
+    default = settings.dcut.default_max_width if settings.dcut else None
+    cap = {EXTRA_ARG: settings.num_speculative_tokens if default is None else default} \
+        if with_dcut and temperature > 0 else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True,
+                            extra_args=cap)
     results = []
     for bs in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(bs)]

@@ -19,8 +19,9 @@ What is wrapped, by the module that holds the wrapper:
   ``.propose_draft_token_ids`` / ``.take_draft_token_ids``: the engine step (width, decision, cut, SpecExit).
 - ``dcut.vllm.profiling`` — ``Worker._maybe_activate_jit_monitor`` / ``CPUWorker.compile_or_warm_up_model``: the
   cost table, once vLLM's warm-up is done and before its JIT monitor and GPU sync check start.
-- ``dcut.vllm.vllm_fixes`` — ``rejection_sampler.expand_batch_to_tokens`` / ``.apply_sampling_constraints``: two
-  vLLM 0.32 bugs, fixed for EVERY engine in the environment (opt out: ``DCUT_VLLM_FIXES=0``).
+- ``dcut.vllm.vllm_fixes`` — ``rejection_sampler.expand_batch_to_tokens`` / ``.apply_sampling_constraints``,
+  ``GPUModelRunner.sample_tokens``: three vLLM 0.32 bugs, fixed for EVERY engine in the environment (opt out:
+  ``DCUT_VLLM_FIXES=0``).
 
 The state the wrappers keep per model runner is one object, ``dcut.vllm.runner_hooks.RunnerHooks``. What
 moving to vLLM's V2 model runner would take: ``dcut/vllm/README.md``.
@@ -82,6 +83,7 @@ PATCHES: tuple[Patch, ...] = (
           ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to"), vllm_fix=True),
     Patch(_SAMPLER, "apply_sampling_constraints", vllm_fixes.wrap_apply_sampling_constraints,
           ("logits", "cu_num_draft_tokens", "sampling_metadata"), vllm_fix=True),
+    Patch(_RUNNER, "sample_tokens", vllm_fixes.wrap_sample_tokens, ("self", "grammar_output"), vllm_fix=True),
     Patch("vllm.v1.worker.cpu_worker:CPUWorker", "compile_or_warm_up_model", profiling.wrap_compile_or_warm_up_model,
           optional=True),
 )

@@ -103,7 +103,7 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
         width = _agreed(self, state.choose_width(len(req_ids), scheduler_output.num_spec_tokens_to_schedule, req_ids))
         # never wider than the batch's largest cap (caps are the requests', the same on every rank); at width 0 they
         # bound nothing, and are not read
-        caps = state.requests.caps_for(req_ids, functools.partial(_extra_args, self.requests)) if width else None
+        caps = state.requests.caps_for(req_ids, functools.partial(_cap_inputs, self.requests)) if width else None
         width = min(width, max(caps, default=width)) if caps else width
         state.width = width
         if width == 0 and stash is not None and torch.is_tensor(sampled_token_ids):
@@ -170,11 +170,14 @@ def context_positions(runner: Any) -> torch.Tensor:
     return runner.mrope_positions.gpu[0] if runner.uses_mrope else runner.positions
 
 
-def _extra_args(requests: dict[str, Any], req_id: str) -> dict | None:
-    """A request's ``SamplingParams.extra_args`` (None for a dummy step's requests), where its cap travels."""
+def _cap_inputs(requests: dict[str, Any], req_id: str) -> tuple[dict | None, bool]:
+    """A request's ``SamplingParams.extra_args``, where its cap travels, and whether it is seeded and sampled
+    (``dcut.speculation.cap_of``); (None, False) for a dummy step's requests."""
     cached = requests.get(req_id)
     params = None if cached is None else getattr(cached, "sampling_params", None)
-    return None if params is None else params.extra_args
+    if params is None:
+        return None, False
+    return params.extra_args, params.seed is not None and params.temperature > 0
 
 
 def _agreed(runner: Any, width: int) -> int:

@@ -1,10 +1,10 @@
-"""Two fixes of vLLM 0.32 bugs in the rejection sampler's sampling constraints — nothing to do with D-Cut.
+"""Three fixes of vLLM 0.32 bugs in sampling on CPU — nothing to do with D-Cut.
 
 Active for EVERY engine in the environment once dcut-serve is installed: vLLM loads the plugin in every
 process (``vllm.general_plugins``), and these two wrappers apply whether or not an engine asks for D-Cut or
 SpecExit. Set ``DCUT_VLLM_FIXES=0`` in the environment of the processes that start engines to leave vLLM's
-rejection sampler as it is (the D-Cut patches are not affected). Found by ``loadtest.fuzz``: one request with
-``top_k`` and ``temperature > 0`` killed the engine core.
+sampling as it is (the D-Cut patches are not affected). Each was found killing an engine core: one request with
+``top_k`` and ``temperature > 0`` (``loadtest.fuzz``); seeded sampled requests in a batch whose prefill is chunked.
 
 - ``vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`` — on CPU its kernel (``cpu_triton_utils.
   _expand_kernel_impl``) writes into an int64 *copy* of the output, so the per-token temperatures and top-k
@@ -14,7 +14,15 @@ rejection sampler as it is (the D-Cut patches are not affected). Found by ``load
   step; a step whose drafts were all cut) it reaches ``apply_top_k_only``, whose ``k.max()`` of an empty
   tensor raises. No tokens: nothing to constrain, the empty logits are returned as they are.
 
-``tests/unit/test_patches.py`` holds a canary that fails once vLLM's CPU kernel stops writing into a copy.
+- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens`` — a request whose prompt is still being
+  prefilled in chunks samples a token that is thrown away, and ``_bookkeeping_sync`` then rewinds its seeded
+  generator (``gen.set_offset(gen.get_offset() - 4)``) so that its samples do not depend on the chunking; a CPU
+  generator has no offset ("CPU Generator does not use offset") and the engine core dies. On CPU such a request's
+  generator is left out of that step's sampling (its thrown-away token is drawn from the default generator), which
+  leaves the generator exactly where vLLM's rewind puts a CUDA one; elsewhere vLLM's own rewind.
+
+``tests/unit/test_patches.py`` holds canaries that fail once vLLM fixes these (the CPU kernel stops writing into a
+copy; ``_bookkeeping_sync`` stops asking a CPU generator for its offset).
 """
 
 from __future__ import annotations
@@ -59,3 +67,25 @@ def wrap_apply_sampling_constraints(original: Callable[..., Any]) -> Callable[..
             return logits
         return original(logits, *args, **kwargs)
     return apply_sampling_constraints
+
+
+def wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens``: the seeded CPU generators of
+    requests whose sampled token is discarded (a partial prefill) sit this step out, so vLLM has nothing to
+    rewind."""
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        generators: dict[int, torch.Generator] = self.input_batch.generators
+        hidden = {} if not generators else discarded_cpu_generators(
+            generators, self.discard_request_mask.np[: self.input_batch.num_reqs])
+        for index in hidden:
+            del generators[index]
+        try:
+            return original(self, grammar_output)
+        finally:
+            generators.update(hidden)
+    return sample_tokens
+
+
+def discarded_cpu_generators(generators: dict[int, torch.Generator], discard: Any) -> dict[int, torch.Generator]:
+    """The CPU generators of the requests ``discard`` (a boolean per request index) marks: those vLLM would rewind."""
+    return {i: g for i, g in generators.items() if i < len(discard) and discard[i] and g.device.type == "cpu"}

@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dcut.settings import DCutSettings, EngineSettings
+from dcut.speculation import EXTRA_ARG
 from tests.tiny_models import build_tiny_models
 
 pytestmark = pytest.mark.integration
@@ -46,7 +47,10 @@ def _samples(model: Path, draft: Path | None, mode: str | None, k: int = 3) -> l
                               method="none" if draft is None else "draft_model", num_speculative_tokens=k,
                               max_num_seqs=64, max_model_len=128, enforce_eager=True, dcut=dcut)
     llm = LLM(**engine_kwargs(settings))
-    params = [SamplingParams(temperature=1.0, max_tokens=POSITIONS, seed=i, ignore_eos=True) for i in range(N)]
+    # seeded for a repeatable test; a cap of their own, or D-Cut would decode seeded requests plainly
+    # (dcut.speculation) and never cut a sampled draft
+    params = [SamplingParams(temperature=1.0, max_tokens=POSITIONS, seed=i, ignore_eos=True,
+                             extra_args={EXTRA_ARG: k}) for i in range(N)]
     out = llm.generate(["def add(a, b):"] * N, params, use_tqdm=False)
     del llm
     gc.collect()

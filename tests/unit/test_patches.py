@@ -202,3 +202,44 @@ def test_draft_pass_shapes_confidences_like_the_drafts() -> None:
     mismatched.sink.extend([torch.zeros(2), torch.zeros(2)])
     mismatched.finish(torch.zeros(2, 3, dtype=torch.long))
     assert mismatched.log_conf is None
+
+
+def test_vllm_still_rewinds_a_discarded_sample_by_generator_offset() -> None:
+    """Why ``sample_tokens`` is wrapped: vLLM 0.32's ``_bookkeeping_sync`` rewinds the generator of a request whose
+    token is discarded by its offset, which a CPU generator does not have. If this starts failing, vLLM changed
+    the rewind (or torch gave CPU generators an offset) and the fix can go."""
+    import inspect
+
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "gen.set_offset(gen.get_offset() - 4)" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        torch.Generator().get_offset()
+
+
+def test_discarded_cpu_generators_sit_the_step_out() -> None:
+    """Only the CPU generators of discarded requests are taken out for the step, and all are back after it,
+    even when the step raises."""
+    import numpy as np
+    import torch
+
+    gens = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(2), 3: torch.Generator()}
+    discard = np.array([True, True, False, True])
+    assert vllm_fixes.discarded_cpu_generators(gens, discard) == {0: gens[0], 3: gens[3]}
+    assert vllm_fixes.discarded_cpu_generators(gens, discard[:1]) == {0: gens[0]}  # index 3 past num_reqs
+
+    seen: list[set[int]] = []
+
+    class Runner:
+        input_batch = type("Batch", (), {"generators": dict(gens), "num_reqs": 4})()
+        discard_request_mask = type("Buf", (), {"np": np.concatenate([discard, [True] * 4])})()
+
+    def sample_tokens(self, grammar_output):
+        seen.append(set(self.input_batch.generators))
+        raise RuntimeError("step failed")
+
+    runner = Runner()
+    with pytest.raises(RuntimeError, match="step failed"):
+        vllm_fixes.wrap_sample_tokens(sample_tokens)(runner, None)
+    assert seen == [{2}] and runner.input_batch.generators == gens

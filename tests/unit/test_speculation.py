@@ -35,11 +35,14 @@ def test_the_engine_reads_the_cap_from_extra_args() -> None:
     assert cap_of({EXTRA_ARG: "7"}, 15) == 7  # extra_args travel as JSON: a string is read as a number
     assert cap_of({EXTRA_ARG: 99}, 15) == 15
     assert cap_of(None, 15, default=3) == 3 and cap_of({EXTRA_ARG: 7}, 15, default=3) == 7
+    # a seeded sampled request is decoded plainly unless it gives a cap of its own
+    assert cap_of(None, 15, default=3, seeded=True) == 0 and cap_of({EXTRA_ARG: 7}, 15, seeded=True) == 7
 
 
 def test_usage_counts_drafted_within_the_cap_verified_and_accepted() -> None:
     spec = RequestSpeculation(k=15)
-    args = {"a": None, "b": {EXTRA_ARG: 0}, "c": {EXTRA_ARG: 3}}
+    args = {"a": (None, False), "b": ({EXTRA_ARG: 0}, False), "c": ({EXTRA_ARG: 3}, True), "d": (None, True)}
+    assert spec.caps_for(["d"], args.get) == [0]
     caps = spec.caps_for(["a", "b", "c"], args.get)
     assert caps == [15, 0, 3]
     spec.step(["a", "b", "c"], caps, width=7)
