@@ -40,6 +40,10 @@ class Fingerprint(BaseModel):
     k: int
     tensor_parallel_size: int = 1
     dtype: str = "float32"
+    # A step's cost depends on how it is launched: CUDA graphs (vLLM's resolved mode, NONE on CPU) or eager.
+    # None: not recorded (tables from before these fields), never equal to a recorded value.
+    cudagraph_mode: str | None = None
+    enforce_eager: bool | None = None
     vllm_version: str = ""
     dcut_version: str = dcut.__version__
 

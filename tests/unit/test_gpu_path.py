@@ -148,3 +148,19 @@ def test_catch_up_writes_the_positions_dflash_reads_on_mrope_targets(drafted) ->
     dflash_reads = GPUModelRunner._get_positions(runner, n)[0]  # what its kernel loads: row 0 of the view
     rows = [0, 1, 2, 3, 4] if drafted is None else [0, 1, 3]
     assert written[0].tolist() == dflash_reads[rows].tolist() == [p + 40 for p in sequence[rows].tolist()]
+
+
+def test_fingerprint_names_the_engines_gpu_and_how_its_steps_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 6: the replica read the hardware with torch, which sees no GPU in a replica of ``num_gpus: 0`` (as
+    in this process), while the engine's worker named the GPU; and a table profiled eager was reused compiled."""
+    import torch
+
+    from dcut.vllm.fingerprint import fingerprint
+
+    cuda_like(monkeypatch)
+    assert not torch.cuda.is_available()
+    compiled, eager = fingerprint(DCUT), fingerprint(DCUT.model_copy(update={"enforce_eager": True}))
+    assert compiled.key() != eager.key()
+    assert compiled.hardware == eager.hardware == "NVIDIA H100 80GB HBM3"  # vLLM's platform, as the worker reads it
+    assert (compiled.cudagraph_mode, compiled.enforce_eager, eager.cudagraph_mode, eager.enforce_eager) == \
+        ("PIECEWISE", False, "NONE", True)
