@@ -17,6 +17,7 @@ from dcut.vllm.draft_pass import DraftPass
 from dcut.vllm.fingerprint import fingerprint_for
 from dcut.vllm.specexit import RunnerSpecExit
 from dcut.vllm.state import RunnerDCut, settings_from_config
+from dcut.vllm.step_clock import timer_for
 
 ATTRIBUTE = "_dcut_hooks"  # the one attribute set on a vLLM model runner and on its drafter
 
@@ -36,7 +37,8 @@ class RunnerHooks:
         settings = settings_from_config(runner.vllm_config)
         dcut = stash = None
         if settings is not None and runner.speculative_config is not None:
-            dcut = RunnerDCut(settings, fingerprint_for(runner.vllm_config), runner.num_spec_tokens)
+            dcut = RunnerDCut(settings, fingerprint_for(runner.vllm_config), runner.num_spec_tokens,
+                              timer=timer_for(runner.device))
             if dcut.joint and settings.zero_width == "catch_up" and runner.speculative_config.method == "dflash":
                 stash = ContextStash(host=runner.device.type == "cpu")
         return cls(dcut, specexit, stash)

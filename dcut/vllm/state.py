@@ -12,7 +12,8 @@ engine step, as driven by the wrappers in ``dcut.vllm.step_hooks``:
    what verification accepted;
 4. ``cut``          (``take_draft_token_ids``) — truncate each request's drafts before the
    scheduler sees them (so a pruned draft is never scheduled, verified or counted as rejected),
-   record the step.
+   record the step. The step's times are read here, from marks the device reached, where vLLM has already waited
+   for the drafts (``dcut.vllm.step_clock``): on a GPU a host timer would time launches.
 
 With tensor parallelism every rank keeps its own state; the width must agree across ranks (the
 drafter's forward has collectives), so the patch hands rank 0's choice to the others.
@@ -45,6 +46,7 @@ from dcut.trace import TraceWriter
 from dcut.vllm import prometheus
 from dcut.vllm.engine import additional_settings
 from dcut.vllm.runner_knowledge import RunnerKnowledge
+from dcut.vllm.step_clock import HostTimer, StepTimer
 from dcut.vllm.step_records import Cycle, Decided, Held, LastDrafts, Pending, Verified
 from dcut.width import (
     OPTIMISM,
@@ -108,10 +110,12 @@ class RunnerDCut(RunnerKnowledge):
     ``RunnerKnowledge`` (``dcut.vllm.runner_knowledge``)."""
 
     def __init__(self, settings: DCutSettings, fingerprint: Fingerprint, k: int,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
-        """``clock``: seconds, monotonic; replay (``dcut.replay``) drives the runner on a simulated one."""
+                 clock: Callable[[], float] = time.perf_counter, timer: StepTimer | None = None) -> None:
+        """``clock``: seconds, monotonic; replay (``dcut.replay``) drives the runner on a simulated one. ``timer``:
+        the device's stages (``dcut.vllm.step_clock``; default: ``clock``'s, for a device that is the host)."""
         self.settings = settings
         self._clock = clock
+        self._timer = timer if timer is not None else HostTimer(clock)
         self.fingerprint = fingerprint
         self.k = k
         self.joint = settings.mode == "joint"
@@ -141,9 +145,16 @@ class RunnerDCut(RunnerKnowledge):
         self._verified: Verified | None = None
         self._last: LastDrafts | None = None
         self._step_shape: tuple[int, int] | None = None  # (bs, verify tokens) of a pure decode step
-        self._step_start = 0.0
-        self._draft_start: float | None = None
-        self._draft_end: float | None = None
+        self._step_start = 0.0  # host clock: the step's wall time, read at ``cut``, after the engine waited
+        # The timer's marks (``_read_times``): this step's start, the end of its target part (= the drafter's start),
+        # the drafter's end (the next step's gap starts there), the flush inside drafting; read at ``cut``.
+        self._step_mark: Any = None
+        self._verify_end: Any = None
+        self._draft_start: Any = None
+        self._draft_end: Any = None
+        self._gap: tuple[Any, Any] | None = None
+        self._drafted: tuple[Any, Any, int | None] | None = None  # drafter start, end, covering batch size
+        self._flush: tuple[Any, Any, int | None, float, int] | None = None  # start, end, bucket, share, cycles
         self._verify_ms: float | None = None
         self._draft_ms: float | None = None
         self.overhead = EngineOverhead()  # engine time outside execute_model..drafter, by tokens emitted
@@ -180,13 +191,10 @@ class RunnerDCut(RunnerKnowledge):
     def begin_step(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> None:
         """Remember the step's shape when it is a pure decode/verify step (the cost table's kind)."""
         self._step_start = self._clock()
-        if self._draft_end is not None:
-            gap_ms = self._gap_ms = (self._step_start - self._draft_end) * 1000.0
-            self.overhead.add(self._emitted, gap_ms)
-            if self._cycle is not None:
-                self._cycle.ms += gap_ms
-                self._cycle.clean = gap_ms <= self.overhead.max_ms  # not an idle engine
-        self._draft_end = None
+        mark = self._timer.mark()
+        if self._draft_end is not None:  # the engine's gap since the last drafting pass (read at cut)
+            self._gap = (self._draft_end, mark)
+        self._step_mark, self._draft_end = mark, None
         self._step_bs = len(num_scheduled)
         # Pure: each request scheduled its one token and its drafts, no more (a prefill schedules more). vLLM's
         # scheduler trims a request's drafts to what it schedules, so none schedules fewer and the sums tell.
@@ -202,8 +210,7 @@ class RunnerDCut(RunnerKnowledge):
         to its last choice within the hysteresis, and now and then probes another width; where the
         batch's requests (``req_ids``) have lately accepted too little for drafting to pay, width 0.
         """
-        self._draft_start = self._clock()
-        self._verify_ms = (self._draft_start - self._step_start) * 1000.0
+        self._draft_start = self._verify_end = self._timer.mark()
         self.width, self.probe = scheduled_width, False
         if self.tracer is not None:  # recording: every width in turn, each verified in full
             self.width = self.trace_widths[self._trace_turn % len(self.trace_widths)]
@@ -287,20 +294,55 @@ class RunnerDCut(RunnerKnowledge):
         cover = None if self.cost_table is None else self.cost_table.covering(bs)
         return None if cover is None else self._held.get(cover)
 
-    def on_flush(self, ms: float, rows: int) -> None:
-        """The width-0 steps' deferred drafter writes (``dcut.vllm.catch_up``, ``rows`` rows) were just paid,
-        inside this drafting pass: they are the width-0 steps' cost, not this width's. Taken off this pass's
-        drafter time, and the counted width-0 cycles' rows' share of it charged to them (otherwise width 0
-        looks cheaper than it is and whichever width drafts next, dearer: a bias that kept joint at width 0).
+    def mark(self) -> Any:
+        """A mark in the device's work now (``dcut.vllm.step_clock``): where a flush starts."""
+        return self._timer.mark()
+
+    def on_flush(self, start: Any, rows: int) -> None:
+        """The width-0 steps' deferred drafter writes (``dcut.vllm.catch_up``, ``rows`` rows) were just paid (from
+        mark ``start`` to now), inside this drafting pass: they are the width-0 steps' cost, not this width's. Taken
+        off this pass's drafter time, and the counted width-0 cycles' rows' share of it charged to them (otherwise
+        width 0 looks cheaper than it is and whichever width drafts next, dearer: a bias that kept joint at width 0).
         Only their share: the stash also holds the prompts of requests admitted at width 0, a pass every drafting
-        width pays too, whatever its width."""
-        if self._draft_start is not None:
-            self._draft_start += ms / 1000.0
+        width pays too, whatever its width. Its time is read, and charged, at ``cut``."""
         self.settle()  # the width-0 cycles still held
         bucket = None if self.cost_table is None else self.cost_table.covering(self._step_bs)
-        if bucket is not None and self._zero_cycles and rows > 0:
-            self.realized.charge(bucket, 0, ms * min(1.0, self._zero_rows / rows), self._zero_cycles)
+        share = min(1.0, self._zero_rows / rows) if rows > 0 else 0.0
+        self._flush = (start, self._timer.mark(), bucket, share, self._zero_cycles)
         self._zero_cycles = self._zero_rows = 0
+
+    def _read_times(self) -> None:
+        """This step's device times from its marks, read where the engine has waited for all of them (``cut``;
+        ``dcut.vllm.step_clock``: why not earlier), and what they feed in step order: the engine's gap before the
+        step (its overhead, the last cycle's time), the flush's charge to width 0, the target's and the drafter's
+        parts (the cycle finished, the cycle started). On the host, the same figures the host clock gave."""
+        timer, gap, flush, drafted = self._timer, self._gap, self._flush, self._drafted
+        self._gap = self._flush = self._drafted = None
+        if gap is not None:
+            gap_ms = self._gap_ms = timer.ms(*gap)
+            self.overhead.add(self._emitted, gap_ms)
+            if self._cycle is not None:
+                self._cycle.ms += gap_ms
+                self._cycle.clean = gap_ms <= self.overhead.max_ms  # not an idle engine
+        flush_ms = 0.0
+        if flush is not None:
+            start, end, bucket, share, cycles = flush
+            flush_ms = timer.ms(start, end)
+            if bucket is not None and cycles:
+                self.realized.charge(bucket, 0, flush_ms * share, cycles)
+        if self._verify_end is not None and self._step_mark is not None:
+            self._verify_ms = timer.ms(self._step_mark, self._verify_end)
+        self._verify_end = None
+        if drafted is None:
+            return
+        start, end, bucket = drafted
+        self._draft_ms = None if start is None else timer.ms(start, end) - flush_ms
+        finished = self._cycle
+        self._cycle = None if bucket is None or self._draft_ms is None else Cycle(bucket, self.width, self.probe,
+                                                                                   self._draft_ms)
+        if finished is not None and self._verify_ms is not None:
+            finished.ms += self._verify_ms
+            self._finished_cycle = finished
 
     def _full_step_ms(self, bs: int, width: int) -> float | None:
         """Estimated step time drafting ``width`` and verifying all of it (a probe)."""
@@ -316,16 +358,9 @@ class RunnerDCut(RunnerKnowledge):
         ``context_lens``: each request's tokens so far (recorded in a trace); ``caps``: each request's cap on
         its drafts (``dcut.speculation``; None: K for all)."""
         self._caps = caps if caps is not None and min(caps, default=self.k) < self.k else None
-        self._draft_end = self._clock()
-        self._draft_ms = (self._draft_end - self._draft_start) * 1000.0 if self._draft_start else None
-        self._draft_start = None
+        self._draft_end = self._timer.mark()
         bucket = None if self.cost_table is None else self.cost_table.covering(len(req_ids))
-        finished = self._cycle
-        self._cycle = None if bucket is None or self._draft_ms is None else Cycle(bucket, self.width, self.probe,
-                                                                                   self._draft_ms)
-        if finished is not None and self._verify_ms is not None:
-            finished.ms += self._verify_ms
-            self._finished_cycle = finished
+        self._drafted, self._draft_start = (self._draft_start, self._draft_end, bucket), None  # (read at cut)
         width = self.width if log_conf is not None and log_conf.shape[-1] else 0
         if sampled is not None and num_draft_tokens is not None and torch.is_tensor(sampled) and self._last:
             # sampled: [bs, max_drafts + 1], rejected slots are -1; accepted = valid - 1 (bonus).
@@ -341,7 +376,8 @@ class RunnerDCut(RunnerKnowledge):
             self.requests.step(req_ids, caps, width)
             if self.history is not None:
                 self.history.idle(req_ids)
-        if self.tracer is not None:
+        if self.tracer is not None:  # (recording a trace: its times are read now, a wait on a GPU)
+            self._read_times()
             self._trace(req_ids, log_conf, context_lens)
         if log_conf is None or log_conf.shape[-1] == 0:
             self._pending = None
@@ -410,7 +446,8 @@ class RunnerDCut(RunnerKnowledge):
         return path
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        """Truncate each request's drafts to its keep depth; record the step."""
+        """Truncate each request's drafts to its keep depth; record the step, its device times read now."""
+        self._read_times()
         pending, self._pending = self._pending, None
         verified, self._verified = self._verified, None
         caps, self._caps = self._caps, None
