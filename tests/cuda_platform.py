@@ -1,22 +1,38 @@
 """vLLM's configuration as it resolves on a CUDA GPU, built on this CPU: the platform checks patched.
 
-``cuda_like(monkeypatch)`` puts an H100-like ``CudaPlatformBase`` (vLLM's own CUDA platform logic, device queries
+``with cuda_like():`` puts an H100-like ``CudaPlatformBase`` (vLLM's own CUDA platform logic, device queries
 answered by hand) wherever vLLM holds its ``current_platform``, and says Triton is there (the V2 runner's
 condition), so ``AsyncEngineArgs(...).create_engine_config()`` runs vLLM's CUDA branches: the runner, async
 scheduling and CUDA graph defaults a GPU user gets. Nothing runs on a device; only the configuration is built.
+On leaving, every module holds vLLM's CPU platform again, those first imported inside included (they took the
+CUDA one by name: left so, a later CPU engine of the test run would be configured for CUDA).
 """
 
 from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 
 
-def cuda_like(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Patch vLLM's platform to a CUDA one (undone with ``monkeypatch``); the platform object."""
+@contextmanager
+def cuda_like() -> Iterator[Any]:
+    """vLLM's platform a CUDA one inside; the platform object."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        cpu, cuda = _patch(monkeypatch)
+        try:
+            yield cuda
+        finally:
+            for module in list(sys.modules.values()):
+                if getattr(module, "__dict__", {}).get("current_platform") is cuda:
+                    module.current_platform = cpu
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     from dcut.vllm import patches
 
     patches.install()  # the plugin imports vLLM modules that need the real (CPU) platform: before the swap
@@ -51,7 +67,7 @@ def cuda_like(monkeypatch: pytest.MonkeyPatch) -> Any:
             monkeypatch.setattr(module, "current_platform", cuda)
     monkeypatch.setattr(vllm.config.vllm, "HAS_TRITON", True)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    return cuda
+    return cpu, cuda
 
 
 def engine_config(settings: Any, **extra: Any) -> Any:

@@ -6,7 +6,9 @@ graphs (``docs/gpu.md`` says why); every other engine keeps what vLLM gives it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,39 +23,46 @@ VLLM_DFLASH = DCUT.model_copy(update={"dcut": None})  # vLLM's own DFlash: the s
 PLAIN = DCUT.model_copy(update={"method": "none", "draft": None, "dcut": None})  # no speculation
 
 
+@pytest.fixture
+def cuda() -> Iterator[Any]:
+    """vLLM's configuration resolves as on a CUDA GPU in the test."""
+    with cuda_like() as platform:
+        yield platform
+
+
 def _resolved(config) -> tuple[bool, bool, str]:
     return (config.use_v2_model_runner, config.scheduler_config.async_scheduling,
             config.compilation_config.cudagraph_mode.name)
 
 
-def test_dcut_engine_left_unset_ends_piecewise(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_dcut_engine_left_unset_ends_piecewise() -> None:
     """Defect 1 of issue 63: checked before vLLM had chosen (None), full graphs stayed on."""
-    cuda_like(monkeypatch)
     assert _resolved(engine_config(DCUT)) == (False, False, "PIECEWISE")
 
 
-def test_runner_is_chosen_per_engine_not_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_runner_is_chosen_per_engine_not_for_the_process() -> None:
     """Defect 2: a D-Cut engine's V1 runner came from a process-wide environment variable, so a stock engine
     built after it got V1 too."""
-    cuda_like(monkeypatch)
     assert engine_config(PLAIN).use_v2_model_runner
     dcut = engine_config(DCUT)
     assert not dcut.use_v2_model_runner and engine_config(PLAIN).use_v2_model_runner
     assert not dcut.use_v2_model_runner
 
 
-def test_stock_speculative_baseline_keeps_async_scheduling(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_stock_speculative_baseline_keeps_async_scheduling() -> None:
     """Defect 3: every engine with a drafter was made synchronous, vLLM's own DFlash included."""
-    cuda_like(monkeypatch)
     assert engine_config(VLLM_DFLASH).scheduler_config.async_scheduling is True
 
 
 @pytest.mark.parametrize("order", [(DCUT, FULL, VLLM_DFLASH, PLAIN), (PLAIN, VLLM_DFLASH, FULL, DCUT)],
                          ids=["dcut-first", "dcut-last"])
-def test_each_engine_gets_its_own_runner_scheduling_and_graphs(order, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_each_engine_gets_its_own_runner_scheduling_and_graphs(order) -> None:
     """D-Cut engines: V1, synchronous, piecewise. Stock engines built in the same process, before or after:
     vLLM's CUDA defaults (V2, asynchronous, full graphs)."""
-    cuda_like(monkeypatch)
     expected = {id(DCUT): (False, False, "PIECEWISE"), id(FULL): (False, False, "PIECEWISE"),
                 id(VLLM_DFLASH): (True, True, "FULL_AND_PIECEWISE"), id(PLAIN): (True, True, "FULL_AND_PIECEWISE")}
     configs = [(settings, engine_config(settings)) for settings in order]
@@ -64,19 +73,19 @@ def test_each_engine_gets_its_own_runner_scheduling_and_graphs(order, monkeypatc
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "PIECEWISE"])
-def test_dcut_ends_piecewise_whatever_graph_mode_is_asked(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_dcut_ends_piecewise_whatever_graph_mode_is_asked(mode: str) -> None:
     """A graph mode the user passes does not give a D-Cut engine full graphs; eager stays eager."""
-    cuda_like(monkeypatch)
     config = engine_config(DCUT, compilation_config={"cudagraph_mode": mode})
     assert config.compilation_config.cudagraph_mode.name == "PIECEWISE"
     assert engine_config(DCUT.model_copy(update={"enforce_eager": True})).compilation_config.cudagraph_mode.name == \
         "NONE"
 
 
-def test_async_scheduling_asked_of_a_dcut_engine_is_refused_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_async_scheduling_asked_of_a_dcut_engine_is_refused_quietly() -> None:
     """Set on a D-Cut engine, asynchronous scheduling is turned off for it alone (one log line); set off on a
     stock engine, it is off there."""
-    cuda_like(monkeypatch)
     assert _resolved(engine_config(DCUT.model_copy(update={"async_scheduling": True}))) == (False, False, "PIECEWISE")
     assert engine_config(VLLM_DFLASH.model_copy(update={"async_scheduling": False})).scheduler_config \
         .async_scheduling is False
@@ -150,17 +159,45 @@ def test_catch_up_writes_the_positions_dflash_reads_on_mrope_targets(drafted) ->
     assert written[0].tolist() == dflash_reads[rows].tolist() == [p + 40 for p in sequence[rows].tolist()]
 
 
-def test_fingerprint_names_the_engines_gpu_and_how_its_steps_are_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("cuda")
+def test_fingerprint_names_the_engines_gpu_and_how_its_steps_are_launched() -> None:
     """Defect 6: the replica read the hardware with torch, which sees no GPU in a replica of ``num_gpus: 0`` (as
     in this process), while the engine's worker named the GPU; and a table profiled eager was reused compiled."""
     import torch
 
     from dcut.vllm.fingerprint import fingerprint
 
-    cuda_like(monkeypatch)
     assert not torch.cuda.is_available()
     compiled, eager = fingerprint(DCUT), fingerprint(DCUT.model_copy(update={"enforce_eager": True}))
     assert compiled.key() != eager.key()
     assert compiled.hardware == eager.hardware == "NVIDIA H100 80GB HBM3"  # vLLM's platform, as the worker reads it
     assert (compiled.cudagraph_mode, compiled.enforce_eager, eager.cudagraph_mode, eager.enforce_eager) == \
         ("PIECEWISE", False, "NONE", True)
+
+
+def _with_adaptive_verification(settings: EngineSettings):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from dcut.vllm.engine import engine_kwargs
+
+    kw = engine_kwargs(settings)
+    kw["speculative_config"] |= {"enable_adaptive_verification": True}
+    return AsyncEngineArgs(**kw).create_engine_config()
+
+
+def test_vllm_adaptive_verification_is_v2_only_and_refused_on_cpu() -> None:
+    """What docs/gpu.md says of vLLM 0.32's own adaptive verification: on this CPU (no Triton: the V1 runner) it is
+    refused."""
+    with pytest.raises(ValueError, match="Model Runner V1 does not support: adaptive draft verification"):
+        _with_adaptive_verification(VLLM_DFLASH)
+
+
+@pytest.mark.usefixtures("cuda")
+def test_vllm_adaptive_verification_needs_full_graphs_and_not_dcut() -> None:
+    """On CUDA: it runs on the V2 runner with full graphs and asynchronous scheduling; eager is refused, and so is
+    a D-Cut engine (the V1 runner)."""
+    assert _resolved(_with_adaptive_verification(VLLM_DFLASH)) == (True, True, "FULL_AND_PIECEWISE")
+    with pytest.raises(ValueError, match="Adaptive verification requires full CUDA graphs"):
+        _with_adaptive_verification(VLLM_DFLASH.model_copy(update={"enforce_eager": True}))
+    with pytest.raises(ValueError, match="Model Runner V1 does not support: adaptive draft verification"):
+        _with_adaptive_verification(DCUT)

@@ -170,8 +170,9 @@ def test_one_hooks_object_on_the_runner_and_its_drafter() -> None:
     spec = NS(method="dflash", model="d", num_speculative_tokens=4)
 
     def runner(extra: dict) -> NS:
-        config = NS(additional_config=extra, speculative_config=spec, model_config=NS(model="m", dtype=torch.float32),
-                    parallel_config=NS(tensor_parallel_size=1))
+        config = NS(additional_config=extra, speculative_config=spec, parallel_config=NS(tensor_parallel_size=1),
+                    model_config=NS(model="m", dtype=torch.float32, enforce_eager=False),
+                    compilation_config=NS(cudagraph_mode=NS(name="NONE")))
         return NS(vllm_config=config, speculative_config=spec, num_spec_tokens=4, drafter=NS(),
                   device=torch.device("cpu"))
 
