@@ -177,7 +177,8 @@ class EngineSettings(BaseModel):
     enforce_eager: bool = Field(False, description="vLLM's default: compiled. True runs eagerly (faster start).")
     gpu_memory_utilization: float | None = Field(
         None, gt=0.0, le=1.0, description="Share of the GPU this engine may take (None: vLLM's default, 0.9). "
-        "Benchmarks that hold several engines on one GPU split it between them (dcut.memory); ignored on CPU.")
+        "Benchmarks that hold several engines on one GPU split it between them (dcut.memory). vLLM's CPU backend "
+        "reads it as a share of host memory; the benchmarks leave it unset there.")
     seed: int = 0
     served_model_name: str | None = None
     dcut: DCutSettings | None = Field(default_factory=DCutSettings,
