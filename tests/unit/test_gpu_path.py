@@ -91,6 +91,21 @@ def test_async_scheduling_asked_of_a_dcut_engine_is_refused_quietly() -> None:
         .async_scheduling is False
 
 
+@pytest.mark.usefixtures("cuda")
+def test_vllm_itself_makes_per_batch_size_k_piecewise_on_v1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What D-Cut follows: vLLM's own DFlash with a K per batch size, on the V1 runner, ends PIECEWISE."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    dynamic = VLLM_DFLASH.model_copy(update={"spec_schedule": [(1, 4, 15), (5, 64, 3)]})
+    assert _resolved(engine_config(dynamic)) == (False, True, "PIECEWISE")
+
+
+def test_on_cpu_every_engine_runs_v1_synchronously_without_graphs() -> None:
+    """Why no CPU figure of this repository shows what D-Cut's GPU choices cost: on CPU vLLM gives every engine
+    the V1 runner, synchronous scheduling and no CUDA graphs, D-Cut's or not."""
+    for settings in (DCUT, VLLM_DFLASH, PLAIN):
+        assert _resolved(engine_config(settings)) == (False, False, "NONE"), settings
+
+
 def test_dcut_start_up_runs_before_vllm_watches_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Defect 7: D-Cut's profiling ran after ``Worker.compile_or_warm_up_model`` had started vLLM's JIT monitor
     and GPU sync check. vLLM's own warm-up is run here (the installed patches, a stand-in worker, device work
