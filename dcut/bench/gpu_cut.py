@@ -10,6 +10,9 @@ scores, per-request caps and a keep rule, down to the kept counts. On CUDA it is
   inputs and again after new logits and a new keep rule are written into the graph's input tensors,
 - timed with CUDA events: microseconds per step, eager and replayed, whole step and the cut alone.
 
+It also checks the runner's step timer (``dcut.vllm.step_clock``, torch only) on the device: a stretch of device work
+between two marks reads as that work, where a host timer around its launch reads the launch.
+
 It prints (and with ``--out`` writes) one JSON object naming the device. Run from the repository root:
 
     python -m dcut.bench.gpu_cut --out docs/results/gpu-cut/h100.json
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dcut.cut import CalibrationTable, KeepRule, cut, log_confidence
+from dcut.vllm.step_clock import timer_for
 
 
 class Step:
@@ -136,6 +140,32 @@ def check(bs: int, k: int, vocab: int, bins: int, device: torch.device, repeats:
     return row
 
 
+def clock_check(device: torch.device, n: int = 2048, repeats: int = 20) -> dict:
+    """Milliseconds of ``repeats`` matmuls of ``n``: the step timer's marks around them (read after a wait, as the
+    runner reads them), the host clock around their launch (what the runner timed before), and a synchronized host
+    clock (the truth)."""
+    a = torch.randn(n, n, device=device)
+    timer = timer_for(device)
+
+    def work() -> None:
+        for _ in range(repeats):
+            a @ a
+
+    work()  # (warm-up)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    host = time.perf_counter()
+    start = timer.mark()
+    work()
+    end = timer.mark()
+    launched = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    synced = time.perf_counter()
+    return {"timer_ms": round(timer.ms(start, end), 3), "host_launch_ms": round((launched - host) * 1e3, 3),
+            "synchronized_ms": round((synced - host) * 1e3, 3)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -145,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bins", type=int, default=10, help="calibration bins (dcut.calibration.Calibrator)")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--warmups", type=int, default=10)
+    parser.add_argument("--clock-n", type=int, default=2048, help="matmul size of the step-timer check")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -157,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "k": args.k, "vocab": args.vocab, "bins": args.bins, "repeats": args.repeats,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "rows": rows,
+        "clock": clock_check(device, n=args.clock_n),
         "ok": all(r["no_sync"] and r["graph_equal"] is not False for r in rows),
         "wall_s": round(time.perf_counter() - started, 1),
     }

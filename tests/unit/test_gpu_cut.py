@@ -19,7 +19,7 @@ from dcut.vllm.state import NEVER
 def test_a_tiny_cpu_run_reports_every_batch_size(tmp_path: Path) -> None:
     out = tmp_path / "gpu-cut.json"
     assert gpu_cut.main(["--device", "cpu", "--batch-sizes", "1,4,16", "--k", "4", "--vocab", "300",
-                         "--repeats", "2", "--warmups", "1", "--out", str(out)]) == 0
+                         "--repeats", "2", "--warmups", "1", "--clock-n", "64", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["ok"] and report["device"] and report["vocab"] == 300 and report["k"] == 4
     assert [r["bs"] for r in report["rows"]] == [1, 4, 16]
@@ -28,6 +28,8 @@ def test_a_tiny_cpu_run_reports_every_batch_size(tmp_path: Path) -> None:
         assert row["graph_equal"] is None and row["graph_us"] is None  # no graph capture on a CPU
         assert row["eager_us"] > 0 and row["cut_eager_us"] > 0
         assert 0 < row["kept"] <= row["bs"] * 4
+    clock = report["clock"]  # on a CPU the host clock is the device's: the timer's marks lie inside the launch
+    assert 0 < clock["timer_ms"] <= clock["host_launch_ms"] <= clock["synchronized_ms"]
 
 
 def test_the_checked_step_is_the_selections_cut() -> None:
@@ -52,4 +54,7 @@ def test_the_script_and_the_cut_import_only_torch_and_the_standard_library() -> 
         assert roots - sys.stdlib_module_names - {"torch", "__future__"} <= allowed, path
     tree = ast.parse(Path(gpu_cut.__file__).read_text())
     assert {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module.startswith("dcut")} == {
-        "dcut.cut"}
+        "dcut.cut", "dcut.vllm.step_clock"}
+    clock = Path(gpu_cut.__file__).parent.parent / "vllm" / "step_clock.py"
+    roots = {n.module.split(".")[0] for n in ast.walk(ast.parse(clock.read_text())) if isinstance(n, ast.ImportFrom)}
+    assert roots - sys.stdlib_module_names <= {"__future__"}
