@@ -57,12 +57,16 @@ replay: $(STAMP)   # every policy on the committed traces and cost models, deter
 	$(VENV)/bin/dcut replay --out docs/results/replay
 	$(MAKE) status
 
-# the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes
-# (~50 min here): docs/results/live
+# the interleaved live comparison of the deep pair, steady concurrency, with where each mode's step time goes:
+# joint against what a user runs instead (none; vllm, vllm-dynamic: vLLM's own speculation, no D-Cut) and against
+# D-Cut's own full and dynamic arms (~70 min here). SAMPLING=greedy (docs/results/live), sampled (every request at
+# temperature 1) or mixed (every other one): docs/results/live-$(SAMPLING)
+SAMPLING ?= greedy
 compare: $(STAMP)
-	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 --modes none,full,dynamic,joint,joint-noshift \
-		--dynamic-schedule '1-1:15,2-4:7,5-64:3' --repeats 5 --max-tokens 128 --traffic steady --breakdown \
-		--out docs/results/live
+	$(VENV)/bin/dcut compare --pair deep --bs 1,4,8,16,32,64 \
+		--modes none,vllm,vllm-dynamic,full,dynamic,joint,joint-noshift --dynamic-schedule '1-1:15,2-4:7,5-64:3' \
+		--repeats 5 --max-tokens 128 --traffic steady --sampling $(SAMPLING) --breakdown \
+		--out docs/results/live$(if $(filter-out greedy,$(SAMPLING)),-$(SAMPLING))
 	$(MAKE) status
 
 # the width-0 floor, engines built A B B A so that their place in the process averages out (~50 min here):

@@ -43,6 +43,15 @@ Two kinds of traffic (``TRAFFIC``):
 
 Every cell runs after one untimed warm-up of the same shape (a closed batch).
 
+Sampling (``SAMPLING``): ``greedy`` (temperature 0, every output checked against ``none``'s), ``sampled`` (every
+request at temperature 1, the OpenAI default, unseeded as a client that sets nothing: a seeded one would be decoded
+plainly under D-Cut, ``dcut.speculation``) or ``mixed`` (every other request of each kind, so each batch holds both
+and an engine's learned state sees both, as a server's does; the greedy half still checked against ``none``).
+
+Arms a user would run instead of D-Cut: ``none`` (no drafter), ``vllm`` (vLLM's own speculation, every draft
+verified, no D-Cut hooks in the engine) and ``vllm-dynamic`` (the same with vLLM's per-batch-size K from the
+schedule). ``full`` and ``dynamic`` are those with D-Cut in mode full: what its hooks cost, counted.
+
 Build order. Engines share one process, and an engine's place in it might move its rate: two identical plain
 engines, built one after the other, once ran the second at 0.972x the first at bs 1 (paired, 5 repeats, interval
 0.94-1.02), about the 3 % the width-0 floor is judged on. So the engines are built in an order shuffled by the seed
@@ -74,8 +83,12 @@ from dcut.settings import EngineSettings
 TRAFFIC = ("steady", "batch")
 BURN_IN = 2  # steady traffic: waves of requests before the window (module docstring: why)
 WAVES = 3  # steady traffic: the window's admissions, in units of the batch size (and MIN_WINDOW at least)
-COMPARE_MODES = ("none", "none-sync", "full", "dynamic", "joint", "joint-w0", "joint-blind", "joint-noshift",
-                 "joint-mixed")
+COMPARE_MODES = ("none", "none-sync", "vllm", "vllm-dynamic", "full", "dynamic", "joint", "joint-w0", "joint-blind",
+                 "joint-noshift", "joint-mixed")
+# what the requests sample with: module docstring, sampling
+SAMPLING = ("greedy", "sampled", "mixed")
+SAMPLED_TEMPERATURE = 1.0  # the OpenAI API's default
+SAMPLING_SAID = {"greedy": "greedy", "sampled": "every request sampled", "mixed": "every other request sampled"}
 # joint with one of its mechanisms off: what that mechanism is worth
 JOINT_VARIANTS = {"joint-blind": {"context_cost": False}, "joint-noshift": {"speed_shift": None},
                   "joint-mixed": {"count_mixed_steps": True}}
@@ -95,6 +108,34 @@ WINDOWS = {"staggered": "first token of the first request after the burn-in to t
                            "last wave starts with",
            "finishes": "batch size-th finish to the finish that admits the last request"}
 BOOTSTRAP = 2000
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What each request of a run samples with: ``kind`` greedy (every request at temperature 0), sampled (every
+    one at ``SAMPLED_TEMPERATURE``, unseeded, as a client that sets nothing) or mixed (every other request, so that
+    every batch holds both and an engine learns from both)."""
+
+    kind: str
+    greedy: Any  # vLLM SamplingParams at temperature 0
+    sampled: Any  # the same at SAMPLED_TEMPERATURE
+
+    @classmethod
+    def only(cls, params: Any) -> Sampling:
+        """Every request with ``params``."""
+        return cls("greedy", params, params)
+
+    def is_greedy(self, i: int) -> bool:
+        return self.kind == "greedy" or (self.kind == "mixed" and i % 2 == 0)
+
+    def of(self, i: int) -> Any:
+        """Request ``i``'s sampling parameters."""
+        return self.greedy if self.is_greedy(i) else self.sampled
+
+    def greedy_sha256(self, token_ids: list[list[int]]) -> str | None:
+        """The hash of the greedy requests' outputs (None when none is greedy): what must equal ``none``'s."""
+        greedy = [ids for i, ids in enumerate(token_ids) if self.is_greedy(i)]
+        return token_ids_sha256(greedy) if greedy else None
 
 
 @dataclass(frozen=True)
@@ -124,8 +165,11 @@ def arms_for(base: EngineSettings, modes: list[str], schedule: list[tuple[int, i
     arms = []
     for name in modes:
         mode = base_mode(name)
-        if mode == "dynamic":
+        if mode in ("dynamic", "vllm-dynamic"):
             s = dynamic_settings(base, schedule or [])
+            s = s if mode == "dynamic" else s.model_copy(update={"dcut": None})
+        elif mode == "vllm":  # what a user runs instead: vLLM's own speculation, no D-Cut hooks in the engine
+            s = settings_for_mode("full", base).model_copy(update={"dcut": None})
         elif (pinned := PINNED.fullmatch(mode)) is not None:
             s = settings_for_mode("joint", base)
             assert s.dcut is not None
@@ -162,7 +206,8 @@ def verdict(low: float, high: float, against: str = "joint") -> str:
 
 def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prompts: list, max_tokens: int,
             repeats: int, schedule: list[tuple[int, int, int]] | None = None, seed: int = 0,
-            traffic: str = "steady", breakdown: bool = False, build_order: str = "shuffled") -> dict[str, Any]:
+            traffic: str = "steady", breakdown: bool = False, build_order: str = "shuffled",
+            sampling: str = "greedy") -> dict[str, Any]:
     """Build every arm's engine (in ``build_order``: module docstring), then run the interleaved rounds; the record
     the report is made of. ``breakdown``: also time the parts of each engine step in the timed runs
     (``dcut.bench.breakdown``)."""
@@ -170,6 +215,8 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
         raise ValueError(f"traffic {traffic!r}: choose from {', '.join(TRAFFIC)}")
     if build_order not in BUILD_ORDERS:
         raise ValueError(f"build order {build_order!r}: choose from {', '.join(BUILD_ORDERS)}")
+    if sampling not in SAMPLING:
+        raise ValueError(f"sampling {sampling!r}: choose from {', '.join(SAMPLING)}")
     from vllm import LLM, SamplingParams
 
     from dcut.vllm.engine import engine_kwargs
@@ -187,7 +234,8 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     for arm in tqdm(builds, desc="building engines", unit="engine"):
         start = time.perf_counter()
         engines[arm.name] = (_build_engine(LLM, engine_kwargs(arm.settings)), time.perf_counter() - start)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = Sampling(sampling, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                      SamplingParams(max_tokens=max_tokens, temperature=SAMPLED_TEMPERATURE, ignore_eos=True))
     bar = tqdm(total=len(batch_sizes) * repeats * len(arms), desc="interleaved", unit="run")
     timers = StepBreakdown() if breakdown else None
     with timers or nullcontext():
@@ -199,7 +247,9 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
     return {"machine": machine_info(), **provenance(), "engine": base.model_dump(mode="json"),
             "modes": [a.name for a in arms],
             "batch_sizes": batch_sizes, "max_tokens": max_tokens, "repeats": repeats, "seed": seed,
-            "traffic": traffic, "waves": WAVES if traffic == "steady" else None,
+            "traffic": traffic, "sampling": sampling,
+            "sampled_temperature": SAMPLED_TEMPERATURE if sampling != "greedy" else None,
+            "waves": WAVES if traffic == "steady" else None,
             "burn_in": BURN_IN if traffic == "steady" else None,
             "min_window": MIN_WINDOW if traffic == "steady" else None,
             "window": "staggered" if traffic == "steady" else None,
@@ -209,7 +259,7 @@ def compare(base: EngineSettings, modes: list[str], batch_sizes: list[int], prom
 
 
 def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes: list[int], prompts: list,
-            repeats: int, params: Any, traffic: str, order_rng: random.Random, timers: StepBreakdown | None,
+            repeats: int, params: Sampling, traffic: str, order_rng: random.Random, timers: StepBreakdown | None,
             bar: tqdm) -> tuple[list[dict[str, Any]], dict[tuple[str, int], dict[str, Any]]]:
     """Per batch size: a warm-up per arm, then ``repeats`` rounds of every arm in shuffled order. Every timed run,
     and per (arm, batch size) what is known after its last round: a D-Cut arm's engine figures and, with ``timers``,
@@ -242,7 +292,7 @@ def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes:
                 if timers is not None:
                     timers.measuring(None)
                 runs.append({"mode": arm.name, "bs": bs, "repeat": r, "position": position, "wall_s": wall,
-                             "tokens_per_s": tokens / wall, "token_ids_sha256": token_ids_sha256(token_ids)})
+                             "tokens_per_s": tokens / wall, "token_ids_sha256": params.greedy_sha256(token_ids)})
                 bar.update()
         for arm in arms:
             figures = stats[(arm.name, bs)] = {} if timers is None else {"step_ms": timers.per_step(f"{arm.name}/{bs}")}
@@ -254,11 +304,13 @@ def _rounds(engines: dict[str, tuple[Any, float]], arms: list[Arm], batch_sizes:
     return runs, stats
 
 
-def _decode(llm: Any, batch: list, bs: int, params: Any) -> list[list[int]]:
+def _decode(llm: Any, batch: list, bs: int, params: Sampling) -> list[list[int]]:
     """``batch`` decoded ``bs`` prompts at a time; every request's token ids, in order."""
     out = []
     for start in range(0, len(batch), bs):
-        out += [list(o.outputs[0].token_ids) for o in llm.generate(batch[start:start + bs], params, use_tqdm=False)]
+        chunk = range(start, min(start + bs, len(batch)))
+        out += [list(o.outputs[0].token_ids) for o in llm.generate([batch[i] for i in chunk],
+                                                                   [params.of(i) for i in chunk], use_tqdm=False)]
     return out
 
 
@@ -288,7 +340,7 @@ def window_start(bs: int) -> int:
     return BURN_IN * bs
 
 
-def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tuple[list[list[int]], int, float]:
+def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Sampling) -> tuple[list[list[int]], int, float]:
     """``requests`` prompts (cycling ``prompts``) with ``bs`` in flight, one admitted as one finishes: every
     request's token ids in order, and the tokens emitted and seconds from the step that gives request
     ``window_start(bs)`` its first token to the one that gives the last request its first: the window of steady
@@ -302,14 +354,17 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Any) -> tup
         raise RuntimeError(f"no window of steady concurrency: {requests} requests at bs {bs} (need more than "
                            f"{first + 1})")
     engine = llm.llm_engine
-    delta = params.clone()
-    delta.output_kind = RequestOutputKind.DELTA
+    deltas = {}
+    for kind in (params.greedy, params.sampled):
+        deltas[id(kind)] = kind.clone()
+        deltas[id(kind)].output_kind = RequestOutputKind.DELTA
     out: list[list[int]] = [[] for _ in range(requests)]
     admitted = tokens = 0
     start = end = None
 
     def admit() -> None:
         nonlocal admitted
+        delta = deltas[id(params.of(admitted))]
         engine.add_request(f"steady-{admitted}", prompts[admitted % len(prompts)],
                            first_wave(delta, admitted, bs) if admitted < bs else delta)
         admitted += 1
@@ -376,7 +431,8 @@ def _summaries(runs: list[dict[str, Any]], arms: list[Arm], batch_sizes: list[in
 
     cells, comparisons, controls = [], [], []
     for bs in batch_sizes:
-        reference = {r["token_ids_sha256"] for r in runs if r["bs"] == bs and r["mode"] == "none"}
+        # (no hash where no request was greedy: sampled traffic has nothing to compare)
+        reference = {r["token_ids_sha256"] for r in runs if r["bs"] == bs and r["mode"] == "none"} - {None}
         for arm in arms:
             rates = [by[(arm.name, bs, r)]["tokens_per_s"] for r in repeats]
             median, low, high = bootstrap_median(rates, rng)
@@ -466,9 +522,11 @@ def markdown(record: dict[str, Any]) -> str:
         "closed batches, each to its last token; rate over the wall time") + ")."]
     built = f"engines built in the order {', '.join(record['build_order'])}" if "build_order" in record else \
         "engines built in the order the modes are named"  # a record from before the shuffled build order
-    lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} greedy "
-              f"tokens per request; seed {record['seed']}; dynamic schedule {record['schedule']}; {built}; engine "
-              f"start-up {record['startup_s']} s."]
+    kind = record.get("sampling", "greedy")
+    sampled = f"at temperature {record['sampled_temperature']}" if kind != "greedy" else ""
+    lines += ["", f"Machine: {m['cpu']} ({m['cores']} cores), torch {m['torch']}. {record['max_tokens']} tokens per "
+              f"request, {SAMPLING_SAID[kind]} {sampled}".rstrip() + f"; seed {record['seed']}; dynamic schedule "
+              f"{record['schedule']}; {built}; engine start-up {record['startup_s']} s."]
     return "\n".join(lines) + "\n"
 
 

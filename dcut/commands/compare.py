@@ -6,13 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from dcut.bench.interleaved import BUILD_ORDERS, COMPARE_MODES, PINNED, TRAFFIC, base_mode
+from dcut.bench.interleaved import BUILD_ORDERS, COMPARE_MODES, PINNED, SAMPLING, TRAFFIC, base_mode
 from dcut.cli import CommandError
 from dcut.commands.engine_args import add_engine_flags, batch_sizes_and_modes, parse_schedule, prompts_and_engine
 from dcut.memory import GpuMemoryError
 from dcut.prompts import DEFAULT_PROMPTS, token_prompts
 
-HELP = "Interleaved live comparison of none/full/dynamic/joint and diagnostic arms: medians, 95% intervals, verdicts."
+HELP = ("Interleaved live comparison of none/vllm/vllm-dynamic/full/dynamic/joint and diagnostic arms: medians, 95% "
+        "intervals, verdicts.")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "N); MODE#N is one more engine of MODE (none#2 beside none: what an engine's place in the "
                         "process alone does)")
     parser.add_argument("--dynamic-schedule", type=parse_schedule,
-                        help="vLLM dynamic speculation for mode dynamic, e.g. '1-1:15,2-4:7,5-64:3' (bs range: K)")
+                        help="vLLM dynamic speculation for modes dynamic and vllm-dynamic, e.g. '1-1:15,2-4:7,5-64:3' "
+                        "(bs range: K)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=None,
@@ -33,6 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="steady: concurrency held at each batch size, one request admitted as one finishes, rate "
                         "over that window (a server under load); batch: closed batches, each to its last token "
                         "(prefill and a draining tail in every cell)")
+    parser.add_argument("--sampling", choices=SAMPLING, default="greedy",
+                        help="greedy: every request at temperature 0; sampled: every request at temperature 1 (the "
+                        "OpenAI default, unseeded); mixed: every other request of each kind, so each batch holds both")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch size (>= 5)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the shuffled order and the bootstrap")
     parser.add_argument("--build-order", choices=BUILD_ORDERS, default="shuffled",
@@ -54,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     sizes, modes = batch_sizes_and_modes(args.bs, args.modes, COMPARE_MODES + pinned + copies)
     if len(set(modes)) < len(modes):
         raise CommandError("--modes names a mode twice; a second engine of a mode is MODE#2")
-    if "dynamic" in modes and not args.dynamic_schedule:
-        raise CommandError("mode dynamic needs --dynamic-schedule")
+    if {"dynamic", "vllm-dynamic"} & set(map(base_mode, modes)) and not args.dynamic_schedule:
+        raise CommandError("modes dynamic and vllm-dynamic need --dynamic-schedule")
     if args.repeats < 2 or args.max_tokens < 1:
         raise CommandError("--repeats must be >= 2 and --max-tokens positive")
     prompts, base = prompts_and_engine(args)
@@ -67,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                                 max(64, len(prompts)))
     try:
         record = compare(base, modes, sizes, prompts, args.max_tokens, args.repeats, args.dynamic_schedule,
-                         args.seed, args.traffic, args.breakdown, args.build_order)
+                         args.seed, args.traffic, args.breakdown, args.build_order, args.sampling)
     except GpuMemoryError as e:  # raised before any engine starts
         raise CommandError(str(e)) from e
     record["prompt_tokens"] = args.prompt_tokens  # None: the prompt file's own lengths

@@ -184,6 +184,20 @@ def test_compare_builds_in_a_shuffled_order_and_pairs_each_floor_and_copy_with_w
     assert "| none#2 ÷ none | " in markdown(record)
 
 
+def test_compare_against_stock_vllm_on_mixed_traffic(tiny, cache_dir):
+    """``dcut compare --sampling mixed`` on real engines: the stock arm is vLLM's own speculation (no D-Cut in it),
+    every other request is sampled, and the greedy half of every arm's output is still ``none``'s."""
+    from dcut.bench.interleaved import compare, markdown
+
+    record = compare(_settings(tiny, "dflash", "joint", cache_dir), ["none", "vllm", "joint"], [2], PROMPTS[:8],
+                     max_tokens=8, repeats=2, seed=1, sampling="mixed")
+    gc.collect()
+    assert record["sampling"] == "mixed" and record["sampled_temperature"] == 1.0
+    assert record["engine"]["dcut"] is not None and all(c["identical_to_none"] for c in record["cells"])
+    assert {c["mode"] for c in record["comparisons"]} == {"none", "vllm"}
+    assert "every other request sampled at temperature 1.0" in markdown(record)
+
+
 def test_fingerprint_resolves_dtype_aliases_as_the_engine_does(tiny, cache_dir):
     """A controller's table is found by the key the engine will use, whatever spelling of dtype."""
     from dcut.vllm.fingerprint import fingerprint

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from dcut.bench.generate import run_mode, settings_for_mode
-from dcut.bench.interleaved import _steady, _summaries, arms_for, bootstrap_median, markdown, steady_requests, verdict
+from dcut.bench.interleaved import (
+    Sampling,
+    _steady,
+    _summaries,
+    arms_for,
+    bootstrap_median,
+    markdown,
+    steady_requests,
+    verdict,
+)
 from dcut.settings import EngineSettings
 
 
@@ -44,6 +53,10 @@ def test_arms_build_what_each_mode_means():
     assert copies["none#2"] == copies["none"] and copies["joint-w0#2"].dcut.widths == [0]  # one more engine of each
     with pytest.raises(ValueError, match="schedule"):
         arms_for(base, ["dynamic"], None)
+    stock = {a.name: a.settings for a in arms_for(base, ["vllm", "vllm-dynamic"], [(1, 4, 7), (5, 64, 3)])}
+    assert stock["vllm"] == base.model_copy(update={"dcut": None})  # vLLM's own speculation: no D-Cut hooks at all
+    assert stock["vllm-dynamic"] == arms["dynamic"].model_copy(update={"dcut": None})
+    assert {run_mode(s) for s in stock.values()} == {"vllm"}
     with pytest.raises(ValueError, match="unknown mode"):
         arms_for(base, ["fastest"], None)
     with pytest.raises(ValueError, match="renamed to 'reference'"):
@@ -198,7 +211,8 @@ def test_steady_traffic_holds_the_batch_full_and_times_only_that_window(monkeypa
     monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
     engine = _FakeEngine({"fast": 4, "slow": 1}, clock=clock)
     prompts = ["fast", "slow"]
-    out, tokens, wall = _steady(SimpleNamespace(llm_engine=engine), prompts, 2, 6, SamplingParams(max_tokens=8))
+    out, tokens, wall = _steady(SimpleNamespace(llm_engine=engine), prompts, 2, 6,
+                                Sampling.only(SamplingParams(max_tokens=8)))
     # Every request, in admission order, to its last token; the first wave's staggered (1/2 and 2/2 of the tokens).
     assert [len(o) for o in out] == [4, 8, 8, 8, 8, 8]
     # The short first request ends at tick 1, one more is admitted at once: two in flight until the last admission.
@@ -209,7 +223,7 @@ def test_steady_traffic_holds_the_batch_full_and_times_only_that_window(monkeypa
     assert (tokens, wall) == (7, 2.0)
     with pytest.raises(RuntimeError, match="no window"):
         _steady(SimpleNamespace(llm_engine=_FakeEngine({"fast": 4}, clock)), ["fast"], 2, 2,
-                SamplingParams(max_tokens=8))
+                Sampling.only(SamplingParams(max_tokens=8)))
 
 
 class _ChunkedEngine:
@@ -309,7 +323,8 @@ def test_steady_traffic_admits_plain_decoding_one_by_one_not_in_waves(monkeypatc
     clock = [0.0]
     monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
     engine = _FakeEngine({"p": 1}, clock)
-    _steady(SimpleNamespace(llm_engine=engine), ["p"], 8, steady_requests(8), SamplingParams(max_tokens=16))
+    _steady(SimpleNamespace(llm_engine=engine), ["p"], 8, steady_requests(8),
+            Sampling.only(SamplingParams(max_tokens=16)))
     assert engine.prefilled[0] == 8 and max(engine.prefilled[1:]) == 1  # after the first wave, one at a time
 
 
@@ -324,5 +339,31 @@ def _steady_rate(monkeypatch, make_engine, prompts: list[str], bs: int, requests
     clock = [0.0]
     monkeypatch.setattr(interleaved.time, "perf_counter", lambda: clock[0])
     _, tokens, wall = _steady(SimpleNamespace(llm_engine=make_engine(clock)), prompts, bs, requests,
-                              SamplingParams(max_tokens=max_tokens))
+                              Sampling.only(SamplingParams(max_tokens=max_tokens)))
     return tokens / wall
+
+
+def test_mixed_sampling_alternates_greedy_and_sampled_requests_and_checks_only_the_greedy():
+    """``mixed`` traffic: every other request at temperature 1 from the first wave on (both kinds in every batch);
+    only the greedy requests' outputs are hashed against ``none``'s, and sampled traffic has nothing to compare."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+
+    engine = _FakeEngine({"p": 2}, [0.0])
+    temperatures: list[float] = []
+    add = engine.add_request
+    engine.add_request = lambda rid, prompt, params: (temperatures.append(params.temperature), add(rid, prompt, params))
+    mixed = Sampling("mixed", SamplingParams(max_tokens=8, temperature=0.0), SamplingParams(max_tokens=8))
+    out, _, _ = _steady(SimpleNamespace(llm_engine=engine), ["p"], 4, steady_requests(4), mixed)
+    assert temperatures == [0.0, 1.0] * (len(out) // 2) + [0.0] * (len(out) % 2)
+    assert temperatures[:4] == [0.0, 1.0, 0.0, 1.0]  # the first wave holds both kinds too
+    ids = [[i, i] for i in range(4)]
+    assert mixed.greedy_sha256(ids) == Sampling.only(mixed.greedy).greedy_sha256([ids[0], ids[2]])
+    assert Sampling("sampled", mixed.greedy, mixed.sampled).greedy_sha256(ids) is None
+
+
+def test_sampled_runs_claim_no_greedy_identity():
+    runs = _runs({"none": [100.0] * 5, "joint": [101.0] * 5}, sha=None)
+    cells, _, _ = _summaries(runs, arms_for(EngineSettings(), ["none", "joint"], None), [8], np.random.default_rng(0))
+    assert {c["identical_to_none"] for c in cells} == {None}
