@@ -94,6 +94,8 @@ def wrap_propose_draft_token_ids(original: Callable[..., Any]) -> Callable[..., 
                 specexit.on_drafted(list(self.input_batch.req_ids), self.requests, self.num_spec_tokens)
             return drafts
         req_ids = list(self.input_batch.req_ids)
+        if state.history is not None:  # which requests sample: a kind of their own (dcut.history; vLLM's live set)
+            state.history.sampled = self.input_batch.random_reqs
         context = self.input_batch.num_tokens_no_spec[:len(req_ids)]  # each request's tokens so far (numpy)
         # every cost lookup of the step prices the batch's mean context (unless told to decide at the profiled one)
         # (summed in Python: numpy's mean of a few ints cost 85 us a step on the CPU engine, its caches cold after the

@@ -70,3 +70,33 @@ def test_finished_requests_are_forgotten():
     _feed(h, np.zeros((3, 2), dtype=bool))
     h.drop({"r0"})
     assert h.factor("r0") == 1.0 and h.factor("r1") < 0.3
+
+
+def test_a_new_request_starts_from_its_kinds_record():
+    """Greedy requests deliver what calibration expects, sampled ones a fifth of it: a new request of either kind is
+    priced by its kind before it has a block of its own, and the factors predict well enough to be used."""
+    h = RequestHistory()
+    h.sampled = {f"s{i}" for i in range(400)} | {"s-new"}
+    for step in range(100):
+        ids = [f"g{step}", f"s{step}"]
+        h.observe(ids, [2.0, 2.0], [4, 4], [2, 0 if step % 5 else 2])  # sampled: 2 accepted one step in five
+    greedy, sampled = h.kind_factors()
+    assert greedy > 1.4 and sampled < 0.4, (greedy, sampled)
+    assert h.factor("s-new") < 0.5 < 1.3 < h.factor("g-new")
+    assert h.useful and h.factors(["s-new", "g-new"]).tolist() == [h.factor("s-new"), h.factor("g-new")]
+
+
+def test_one_kind_alone_is_scored_exactly_as_without_kinds():
+    """While only one kind has verified blocks its ratio to the stream is exactly 1: every factor is what it was
+    before kinds existed (a stream of greedy requests, or of sampled ones, decides as before)."""
+    rng = np.random.default_rng(3)
+    plain, marked = RequestHistory(), RequestHistory()
+    marked.sampled = {f"r{i}" for i in range(50)}  # every request sampled
+    for _ in range(300):
+        ids = [f"r{i}" for i in rng.choice(50, 4, replace=False)]
+        expected, accepted = rng.uniform(0, 3, 4).tolist(), rng.integers(0, 4, 4).tolist()
+        for h in (plain, marked):
+            h.observe(ids, expected, [3] * 4, accepted)
+    assert plain.kind_factors()[0] == marked.kind_factors()[1] == 1.0
+    assert [plain.factor(f"r{i}") for i in range(50)] == [marked.factor(f"r{i}") for i in range(50)]
+    assert plain.summary() == marked.summary()  # the same blocks judged, the same errors
