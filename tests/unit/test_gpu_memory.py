@@ -8,6 +8,7 @@ start. Checked for one 80 GB GPU with the deep pair and with a Qwen3-8B-sized pa
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -21,7 +22,8 @@ from dcut.vllm.engine import engine_kwargs
 
 GPU_80GB = 80 * 10**9
 ROOT = Path(__file__).resolve().parents[2]
-MAKE_COMPARE = ["none", "full", "dynamic", "joint", "joint-noshift"]  # the Makefile's `compare` arms
+# the Makefile's `compare` arms, read from it
+MAKE_COMPARE = re.search(r"^compare:.*?--modes (\S+)", (ROOT / "Makefile").read_text(), re.M | re.S)[1].split(",")
 
 
 def _folder(path: Path, parameters: int, layers: int) -> str:
@@ -49,20 +51,20 @@ def _arms(base: EngineSettings, modes: list[str]) -> list[tuple[str, EngineSetti
 def test_the_deep_pair_shares_one_gpu_in_every_arm_of_make_compare() -> None:
     deep = EngineSettings(model=str(ROOT / EMBEDDED_MODELS["deep"][0]), draft=str(ROOT / EMBEDDED_MODELS["deep"][1]))
     shared = with_gpu_shares(_arms(deep, MAKE_COMPARE), GPU_80GB)
-    assert [s.gpu_memory_utilization for s in shared] == [0.18] * 5
-    assert {engine_kwargs(s)["gpu_memory_utilization"] for s in shared} == {0.18}
+    assert len(MAKE_COMPARE) == 7 and [s.gpu_memory_utilization for s in shared] == [0.128] * 7
+    assert {engine_kwargs(s)["gpu_memory_utilization"] for s in shared} == {0.128}
     need = engine_need("joint", deep)
     assert need.weights == (26_753_408 + 2_311_808) * 4  # float32, from the committed safetensors headers
     assert need.kv_per_token == 2 * (16 + 1) * 2 * 64 * 4
 
 
-def test_a_qwen3_8b_sized_pair_fits_three_engines_and_five_are_refused_by_name(qwen3_8b) -> None:
+def test_a_qwen3_8b_sized_pair_fits_three_engines_and_seven_are_refused_by_name(qwen3_8b) -> None:
     need = engine_need("joint", qwen3_8b)
     assert round(need.bytes / 2**30, 1) == 20.5  # 17.2 GiB weights, 1.3 GiB KV at 8192 tokens, 2 GiB overhead
     assert [s.gpu_memory_utilization for s in with_gpu_shares(_arms(qwen3_8b, ["none", "full", "joint"]),
                                                                GPU_80GB)] == [0.3] * 3
-    with pytest.raises(GpuMemoryError, match=r"5 engines cannot share this GPU: engine 'none' needs 18.4 GiB .* "
-                                             r"share is 0.18 x 74.5 GiB = 13.4 GiB; about 3 such engines fit"):
+    with pytest.raises(GpuMemoryError, match=r"7 engines cannot share this GPU: engine 'none' needs 18.4 GiB .* "
+                                             r"share is 0.128 x 74.5 GiB = 9.5 GiB; about 3 such engines fit"):
         with_gpu_shares(_arms(qwen3_8b, MAKE_COMPARE), GPU_80GB)
 
 
@@ -85,4 +87,4 @@ def test_compare_refuses_before_any_engine_starts(qwen3_8b, monkeypatch: pytest.
     assert main(["compare", "--out", "/tmp/never", "--model", qwen3_8b.model, "--draft", qwen3_8b.draft,
                  "--dtype", "bfloat16", "--max-model-len", "8192", "--modes", ",".join(MAKE_COMPARE),
                  "--dynamic-schedule", "1-64:3"]) == 2
-    assert "5 engines cannot share this GPU" in capsys.readouterr().err
+    assert "7 engines cannot share this GPU" in capsys.readouterr().err
