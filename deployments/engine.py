@@ -10,6 +10,7 @@ ingress and controller. The application builder (``app.builder.build_app``) choo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -24,6 +25,9 @@ from deployments.records import EngineLoad, SpecExitStats
 
 Output = TypeVar("Output")
 logger = logging.getLogger("ray.serve")
+# Tokens a continuation's prompt carries beyond the client's (``deployments.continuation``), set by the replica for the
+# request it serves: the prompt limit (``max_prompt_tokens``) bounds the client's prompt, not what it generated since.
+carried_tokens: contextvars.ContextVar[int] = contextvars.ContextVar("carried_tokens", default=0)
 
 
 class EngineDead(RuntimeError):

@@ -30,7 +30,8 @@ from ray.serve.exceptions import RayServeException
 from dcut import telemetry
 from dcut.cost_table import CostTable, cached_table_path
 from dcut.settings import EngineSettings
-from deployments.engine import Engine
+from deployments.continuation import CONTINUES
+from deployments.engine import Engine, carried_tokens
 from deployments.ray_metrics import ReplicaMetrics
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport, StartupPhases
 from deployments.settings import EngineReplicaSettings
@@ -221,12 +222,25 @@ class EngineReplica:
     # ---- requests -----------------------------------------------------------------------------
 
     async def completions(self, body: dict) -> AsyncIterator[Any]:
+        carried_tokens.set(self._continuing(body))  # this request's task only (Serve runs each in its own)
         async for item in self.engine.completions(body):
             yield item
 
     async def chat(self, body: dict) -> AsyncIterator[Any]:
+        carried_tokens.set(0)  # continuations go to /v1/completions
         async for item in self.engine.chat(body):
             yield item
+
+    def _continuing(self, body: dict) -> int:
+        """The tokens a continuation carries over (0 for any other request), its mark
+        (``deployments.continuation.CONTINUES``) taken off ``body``; counted and logged here: the replica a request
+        moved to is the one that knows its own id."""
+        if not isinstance(body, dict) or not isinstance(mark := body.pop(CONTINUES, None), dict):
+            return 0
+        self.engine.load.continued_total += 1
+        logger.warning("continuation of request %s on replica %s: %s tokens carried over", mark.get("request_id"),
+                       self.replica_id, mark.get("carried"))
+        return int(mark.get("carried") or 0)
 
     async def models(self) -> dict:
         return await self.engine.models()

@@ -7,8 +7,10 @@ long / a request limit passed (`deployments.limits`), 401 missing or wrong API k
 serving).
 
 Replica faults: a request whose engine replica dies before the client got a byte is tried again on another
-(``max_attempts``); a stream whose replica fails after chunks were sent ends with an error event and
-``[DONE]``; a client that goes away cancels the engine request (vLLM aborts it and frees its KV cache).
+(``max_attempts``); one whose replica dies after it generated tokens is continued on another from the tokens already
+sent (``deployments.continuation``: streaming or not, within the same ``max_attempts``), or, where a continuation
+could not be faithful, a stream ends with an error event and ``[DONE]`` as before; a client that goes away cancels
+the engine request (vLLM aborts it and frees its KV cache).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +30,7 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-from deployments import limits, status_page
+from deployments import continuation, limits, status_page
 from deployments.engine import EngineDead
 from deployments.ray_metrics import IngressMetrics
 from deployments.settings import IngressSettings
@@ -121,14 +124,14 @@ class Ingress:
             return error_response(over[1], 400, "BadRequestError", param=over[0])
         return body
 
-    async def _first(self, method: str, body: dict) -> tuple[Any, Any]:
-        """The engine's first item and the stream it came from. Nothing has reached the client before it, so
-        a replica that dies first costs a retry on another, up to ``max_attempts`` tries."""
-        attempt = 1
+    async def _first(self, method: str, body: dict, attempt: int = 1) -> tuple[Any, Any, int]:
+        """The engine's first item, the stream it came from and the try it took. Nothing has reached the client
+        before it, so a replica that dies first costs a retry on another, up to ``max_attempts`` tries in all
+        (``attempt``: this is that try)."""
         while True:
             stream = getattr(self.engine.options(stream=True), method).remote(body)
             try:
-                return await stream.__anext__(), stream
+                return await stream.__anext__(), stream, attempt
             except asyncio.CancelledError:
                 stream.cancel()  # the client went away: abort the engine request
                 raise
@@ -146,8 +149,9 @@ class Ingress:
         body = await self._body(request)
         if isinstance(body, JSONResponse):
             return body
+        progress = continuation.Progress.plan("chat" if method == "chat" else "completions", body)
         try:
-            first, stream = await self._first(method, body)
+            first, stream, attempt = await self._first(method, body if progress is None else progress.engine_body())
         except StopAsyncIteration:
             return error_response("The engine returned nothing.", 500, "InternalServerError")
         except BackPressureError:
@@ -165,7 +169,35 @@ class Ingress:
         if (err := _sse_error(first)) is not None:
             stream.cancel()
             return JSONResponse({"error": err}, status_code=int(err.get("code") or 500))
-        return StreamingResponse(self._chunks(first, stream), media_type="text/event-stream")
+        if progress is None:
+            return StreamingResponse(self._chunks(first, stream), media_type="text/event-stream")
+        events = self._continued(first, stream, attempt, progress)
+        if progress.client_stream:
+            return StreamingResponse(self._continued_chunks(events), media_type="text/event-stream")
+        return await self._collected(method, body, events, progress)
+
+    async def _collected(self, method: str, body: dict, events: AsyncIterator[dict | str],
+                         progress: continuation.Progress) -> JSONResponse:
+        """A non-streaming request's response from its streamed events. Where its replica died and it could not be
+        continued, nothing reached the client yet: it is run again from the start while tries are left, as before."""
+        try:
+            async with aclosing(events):
+                got = [event async for event in events]
+        except Exception as e:  # noqa: BLE001 - its replica died and no continuation could finish it
+            if replica_died(e) and progress.tries < self.settings.max_attempts:
+                self.metrics.retries.inc()
+                try:
+                    answer, stream, _ = await self._first(method, body, progress.tries + 1)
+                except Exception as again:  # noqa: BLE001
+                    return error_response(f"Engine replica failed: {type(again).__name__}", 500, "InternalServerError")
+                stream.cancel()
+                if isinstance(answer, dict):
+                    return JSONResponse(answer, status_code=int(answer["error"].get("code") or 500)
+                                        if "error" in answer else 200)
+            return error_response(f"Engine replica failed: {type(e).__name__}", 500, "InternalServerError")
+        if errors := [e["error"] for e in got if isinstance(e, dict) and "error" in e]:  # the engine's own, as is
+            return JSONResponse({"error": errors[0]}, status_code=int(errors[0].get("code") or 500))
+        return JSONResponse(continuation.collected(got, progress))
 
     async def _chunks(self, first: str, rest) -> AsyncIterator[str]:
         """The engine's SSE chunks. A replica that fails after chunks were sent cannot be retried: the stream
@@ -182,6 +214,71 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             rest.cancel()  # the client went away (or we are done): abort the engine request
+
+    async def _continued(self, first: str, stream, attempt: int,
+                         progress: continuation.Progress) -> AsyncIterator[dict | str]:
+        """The client's events of a request that can be continued: the engine's chunks through ``progress``; when
+        the replica dies (``replica_died``) after tokens were sent, a continuation on another replica (up to
+        ``max_attempts`` tries in all) whose chunks go on the same stream. Raises what ended it otherwise."""
+        route, pending = progress.route, first
+        progress.tries = attempt
+        try:
+            while True:
+                try:
+                    if pending is not None:
+                        for event in progress.take(pending):
+                            yield event
+                        pending = None
+                    async for chunk in stream:
+                        for event in progress.take(chunk):
+                            yield event
+                    if progress.continuations:
+                        self.metrics.continuations.inc(tags={"route": route, "outcome": "completed"})
+                    return
+                except Exception as e:
+                    if not replica_died(e):
+                        raise
+                    stream.cancel()
+                    if progress.finished:  # every token was out: end the stream here
+                        for event in progress.close():
+                            yield event
+                        return
+                    why = progress.cannot_continue() or (
+                        f"{attempt} of {self.settings.max_attempts} tries used"
+                        if attempt >= self.settings.max_attempts else None)
+                    if why is not None:
+                        outcome = "failed" if progress.continuations else "refused"
+                        self.metrics.continuations.inc(tags={"route": route, "outcome": outcome})
+                        logger.warning("request %s not continued after its replica died (%s): %s",
+                                       progress.identity.get("id"), type(e).__name__, why)
+                        raise
+                    method, body = progress.continuation()  # its replica logs it, naming itself
+                    try:
+                        pending, stream, attempt = await self._first(method, body, attempt + 1)
+                        progress.tries = attempt
+                    except Exception:
+                        self.metrics.continuations.inc(tags={"route": route, "outcome": "failed"})
+                        raise
+                    if isinstance(pending, dict) or _sse_error(pending) is not None:
+                        self.metrics.continuations.inc(tags={"route": route, "outcome": "failed"})
+                        err = pending.get("error", pending) if isinstance(pending, dict) else _sse_error(pending)
+                        raise RuntimeError(f"the continuation was refused: {err}") from e
+        finally:
+            stream.cancel()  # the client went away (or we are done): abort the engine request
+
+    async def _continued_chunks(self, events: AsyncIterator[dict | str]) -> AsyncIterator[str]:
+        """``_continued``'s events as SSE; a failure no continuation could mend ends the stream with an error event
+        and ``[DONE]``, as ``_chunks``."""
+        try:
+            async with aclosing(events):  # closed with this stream, at once: its engine request is aborted then
+                async for event in events:
+                    yield continuation.sse(event)
+        except Exception as e:  # noqa: BLE001 - the replica died or failed mid-stream
+            logger.warning("engine replica failed mid-stream: %s", type(e).__name__)
+            self.metrics.broken_streams.inc()
+            err = error_body(f"Engine replica failed mid-stream: {type(e).__name__}", 500, "InternalServerError")
+            yield f"data: {json.dumps(err)}\n\n"
+            yield "data: [DONE]\n\n"
 
     # ---- routes -------------------------------------------------------------------------------
 

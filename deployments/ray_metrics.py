@@ -112,5 +112,9 @@ class IngressMetrics:
     def __init__(self):
         self.retries = Counter("dcut_ingress_retries", description="Requests tried again on another engine "
                                "replica because theirs died before the client got a byte")
+        self.continuations = Counter("dcut_continuations", description="Requests whose engine replica died after "
+                                     "it generated tokens, by route and outcome: completed (continued on another "
+                                     "replica to its end), failed (a continuation failed too), refused (could not be "
+                                     "continued faithfully: deployments.continuation)", tag_keys=("route", "outcome"))
         self.broken_streams = Counter("dcut_ingress_broken_streams", description="Streams ended with an error "
                                       "event because their engine replica failed after chunks were sent")

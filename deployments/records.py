@@ -22,6 +22,7 @@ class EngineLoad(BaseModel):
     generated_tokens_total: int = 0
     aborted_total: int = 0
     failed_total: int = 0
+    continued_total: int = 0  # requests taken over from a replica that died (deployments.continuation)
     tokens_per_s: float = 0.0
 
 

@@ -25,7 +25,7 @@ from dcut.speculation import EXTRA_ARG, FIELD, merged, parse_cap
 from dcut.vllm import api as dcut_api
 from dcut.vllm.engine import engine_kwargs
 from dcut.vllm.fingerprint import fingerprint
-from deployments.engine import Engine, EngineDead
+from deployments.engine import Engine, EngineDead, carried_tokens
 from deployments.records import SpecExitStats
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class VLLMEngine(Engine):
         if self.max_prompt_tokens is None and requested is None:
             return
         n = extract_prompt_len(self.engine.model_config, prompt)
-        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+        if self.max_prompt_tokens is not None and n - carried_tokens.get() > self.max_prompt_tokens:
             raise VLLMValidationError(f"The prompt has {n} tokens; this server accepts at most "
                                       f"{self.max_prompt_tokens}.", parameter="prompt")
         context = self.engine.model_config.max_model_len

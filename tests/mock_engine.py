@@ -3,12 +3,15 @@ controller (STYLE §11: tests knock on a painted door). It imports neither vLLM 
 
 Generation is deterministic: the completion of a request is ``max_tokens`` (default 16) tokens ``" w0"``,
 ``" w1"``, ..., one every ``token_delay_s``, counted by the same `Engine` accounting as the vLLM engine's. A prompt
-is a string (one token a word) or a list of token ids; a chat's prompt is its messages' contents.
+is a string (one token a word) or a list of token ids; a chat's prompt is its messages' contents. Token ids: ``w<i>``
+is 1000 + i, any other word one below 1000; a prompt that ends with the mock's own tokens 1000, 1001, ... (a
+continuation's) goes on from there, so a continued request writes what the uninterrupted one would.
+``return_token_ids`` and ``stream_options.include_usage`` answer as vLLM's do.
 
 Failures on demand: per request, ``FAULT`` in the prompt is an engine fault (a 500 body, in a stream an SSE error
 event as vLLM sends it; counted failed, the replica keeps serving), as ``tests.fault_engine`` does to the real
 engine. Per instance (a test reaches the engine through its replica, ``replica.engine``):
-``die_before_first`` and ``die_after_chunks`` raise `ActorDiedError` as a dead replica does for the ingress,
+``die_before_first`` and ``die_after_chunks`` (once) raise `ActorDiedError` as a dead replica does for the ingress,
 ``back_pressure`` raises `BackPressureError` as a full deployment does, ``engine_dies_after_tokens`` makes the engine
 die inside the live replica after that many tokens of the next request (`EngineDead`, as ``VLLMEngine`` raises for
 vLLM's ``EngineDeadError``: the health check fails from then on; the painted replica still serves the ingress's next
@@ -27,6 +30,7 @@ import asyncio
 import itertools
 import json
 import time
+import zlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -39,7 +43,7 @@ from dcut.cost_table import CostTable, Fingerprint
 from dcut.learned import LearnedState
 from dcut.settings import EngineSettings
 from dcut.snapshot import DCutSnapshot, Overhead, ThroughputEstimate, WindowSummary
-from deployments.engine import Engine
+from deployments.engine import Engine, carried_tokens
 from deployments.records import SpecExitStats
 
 FAULT = "__mock_engine_fault__"
@@ -52,6 +56,22 @@ def error_body(message: str, status: int, err_type: str, param: str | None = Non
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+def token_id(word: str) -> int:
+    """A word's token id: ``w<i>``, the mock's i-th generated token, is 1000 + i; any other word one below 1000."""
+    if word.startswith("w") and word[1:].isdigit():
+        return 1000 + int(word[1:])
+    return 1 + zlib.crc32(word.encode()) % 999
+
+
+def generated_so_far(prompt_ids: list[int]) -> int:
+    """How many of the mock's tokens end the prompt (a continuation's prompt ends with those already sent: ids 1000,
+    1001, ...): where its generation goes on, so a continued request writes what the uninterrupted one would."""
+    for k in range(len(prompt_ids), 0, -1):
+        if prompt_ids[-k] == 1000 and prompt_ids[-k:] == list(range(1000, 1000 + k)):
+            return k
+    return 0
 
 
 def _choice(text: str, chat: bool, stream: bool, first: bool = False, finish_reason: str | None = None) -> dict:
@@ -130,9 +150,10 @@ class MockEngine(Engine):
             if not isinstance(raw, (str, list)):
                 return None, error_body("prompt: Field required", 400, "BadRequestError")
             prompt = raw.split() if isinstance(raw, str) else [str(t) for t in raw]
-        if not isinstance(body.get("max_tokens", 16), int) or body.get("max_tokens", 16) < 1:
+        budget = body.get("max_tokens")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
             return None, error_body("max_tokens: must be at least 1", 400, "BadRequestError")
-        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+        if self.max_prompt_tokens is not None and len(prompt) - carried_tokens.get() > self.max_prompt_tokens:
             return None, error_body(f"The prompt has {len(prompt)} tokens; this server accepts at most "
                                     f"{self.max_prompt_tokens}.", 400, "BadRequestError", "prompt")
         return prompt, None
@@ -150,6 +171,9 @@ class MockEngine(Engine):
             return
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-mock-{next(self._ids)}"
         kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chat and body.get("stream") else "")
+        prompt_ids = [int(w) if w.isdigit() else token_id(w) for w in prompt]
+        ids = bool(body.get("return_token_ids"))
+        start, n = generated_so_far(prompt_ids), body.get("max_tokens") or 16  # null: "what the context leaves"
         with self.serving():
             try:
                 self.admitted(prompt, request_id)
@@ -157,33 +181,48 @@ class MockEngine(Engine):
                 fault = error_body(f"engine error: {e}", 500, "InternalServerError")
                 yield sse(fault) if body.get("stream") else fault  # in a stream, vLLM sends an error event
                 return
-            async with aclosing(self.generating(self._generate(body.get("max_tokens", 16)), lambda _: 1)) as tokens:
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+            async with aclosing(self.generating(self._generate(start, n), lambda _: 1)) as tokens:
                 if not body.get("stream"):
                     text = "".join([t async for t in tokens])
-                    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(text.split())}
-                    yield {"id": request_id, "object": kind, "created": int(time.time()), "model": self.name,
-                           "choices": [_choice(text, chat, stream=False, finish_reason="length")],
-                           "usage": usage | {"total_tokens": sum(usage.values())}}
+                    choice = _choice(text, chat, stream=False, finish_reason="length")
+                    out = {"id": request_id, "object": kind, "created": int(time.time()), "model": self.name,
+                           "choices": [choice], "usage": usage}
+                    if ids:
+                        choice["token_ids"] = list(range(1000 + start, 1000 + start + n))
+                        (out if chat else choice)["prompt_token_ids"] = prompt_ids
+                    yield out
                     return
                 sent = 0
                 async for token in tokens:
                     if self.die_after_chunks is not None and sent >= self.die_after_chunks:
+                        self.die_after_chunks = None  # once: the ingress's next try finds a live "replica"
                         raise ActorDiedError()
-                    yield sse({"id": request_id, "object": kind, "model": self.name,
-                               "choices": [_choice(token, chat, stream=True, first=sent == 0)]})
+                    chunk = {"id": request_id, "object": kind, "model": self.name,
+                             "choices": [_choice(token, chat, stream=True, first=sent == 0)]}
+                    if ids:
+                        chunk["choices"][0]["token_ids"] = [token_id(token.strip())]
+                        if sent == 0:
+                            (chunk if chat else chunk["choices"][0])["prompt_token_ids"] = prompt_ids
+                    yield sse(chunk)
                     sent += 1
-                yield sse({"id": request_id, "object": kind, "model": self.name,
-                           "choices": [_choice("", chat, stream=True, finish_reason="length")]})
+                last = {"id": request_id, "object": kind, "model": self.name,
+                        "choices": [_choice("", chat, stream=True, finish_reason="length")]}
+                if ids:
+                    last["choices"][0]["token_ids"] = []
+                yield sse(last)
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    yield sse({"id": request_id, "object": kind, "model": self.name, "choices": [], "usage": usage})
                 yield DONE
 
     def admit(self, prompt: Any, request_id: str) -> None:
         if FAULT in prompt:
             raise RuntimeError(f"injected engine fault (request {request_id})")
 
-    async def _generate(self, n: int) -> AsyncGenerator[str, None]:
-        for i in range(n):
+    async def _generate(self, start: int, n: int) -> AsyncGenerator[str, None]:
+        for i in range(start, start + n):
             await asyncio.sleep(self.token_delay_s)  # 0 still yields: a cancellation reaches the request here
-            if self.engine_dies_after_tokens is not None and i >= self.engine_dies_after_tokens:
+            if self.engine_dies_after_tokens is not None and i - start >= self.engine_dies_after_tokens:
                 self.engine_dies_after_tokens = None
                 raise self.died("mock engine core died")
             yield f" w{i}"

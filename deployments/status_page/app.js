@@ -89,12 +89,13 @@ const TIME_AXIS = { xLabel: "minutes ago", xFormat: (x) => fmt(-x) };
 
 function replicaTable(replicas, history, colorOf) {
   const cols = ["replica", "node", "model", "cost table", "batch", "queue", "keep ratio", "width", "accepted len",
-    "tokens/s", "capacity tok/s", "demand tok/s", "steps", "age s"];
+    "tokens/s", "capacity tok/s", "demand tok/s", "steps", "continued", "age s"];
   const rows = replicas.map((r) => {
     const last = (history.replicas[r.replica_id] || []).at(-1) || {};
     const cells = [r.node_id ? short(r.node_id) : "–", r.model, r.cost_source ?? "off", r.batch_size, last.queued ?? "–",
       fmt(r.keep_ratio), fmt(last.drafted_width), fmt(r.acceptance.mean_accepted_length), fmt(r.load.tokens_per_s, 1),
-      fmt(r.capacity_tokens_per_s, 1), fmt(r.demand_tokens_per_s, 1), r.steps ?? "–", fmt(r.age_s, 1)];
+      fmt(r.capacity_tokens_per_s, 1), fmt(r.demand_tokens_per_s, 1), r.steps ?? "–", r.load.continued_total ?? 0,
+      fmt(r.age_s, 1)];
     return html("tr", {}, html("td", { class: "text replica-id", title: r.replica_id },
       html("i", { style: `display:inline-block;width:10px;height:10px;margin-right:4px;background:${colorOf(r.replica_id)}` }),
       short(r.replica_id)), ...cells.map((c) => html("td", {}, String(c))));

@@ -154,13 +154,104 @@ def test_no_retry_beyond_max_attempts():
         app.shutdown()
 
 
-def test_replica_dying_mid_stream_ends_it_with_an_error_event(app):
+def _answer(r, stream: bool, chat: bool) -> tuple[str, list[int], list[str | None], dict | None, set[str]]:
+    """A response's text, token ids, finish reasons, usage and response ids (one per chunk of a stream)."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        out = r.json()
+        (choice,) = out["choices"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        return text, choice.get("token_ids") or [], [choice["finish_reason"]], out.get("usage"), {out["id"]}
+    got = events(r.text)
+    assert got[-1] == "[DONE]" and not any("error" in json.loads(e) for e in got[:-1]), got
+    chunks = [json.loads(e) for e in got[:-1]]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
+    ids = [t for c in choices for t in (c.get("token_ids") or [])]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    assert len(usage) <= 1 and {c["object"] for c in chunks} == {"chat.completion.chunk" if chat else "text_completion"}
+    return text, ids, [c["finish_reason"] for c in choices if c["finish_reason"]], (usage or [None])[0], \
+        {c["id"] for c in chunks}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_replica_dying_mid_generation_is_continued_on_another(app, chat, stream):
+    """Issue 64: the replica dies after 3 tokens; the ingress continues the request from the prompt's ids and the 3
+    sent: the client gets what the uninterrupted request gives (text, token ids, one finish_reason, one id, the
+    original usage), streaming or not, chat or completions."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": 8, "stream": stream, "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": "Hello world"}]} if chat else {"prompt": "Hello world"}),
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    whole = _answer(run(post(app, path, body)), stream, chat)
+    app.engine.die_after_chunks = 3
+    continued = _answer(run(post(app, path, body)), stream, chat)
+    assert app.engine.die_after_chunks is None and app.engine.load.continued_total == 1
+    assert whole[0] == continued[0] == "".join(f" w{i}" for i in range(8))
+    assert whole[1] == continued[1] == list(range(1000, 1008))
+    assert whole[2] == continued[2] == ["length"]
+    assert whole[3] == continued[3] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+    assert len(continued[4]) == 1, continued[4]  # one response id
+
+
+def test_the_prompt_limit_bounds_the_clients_prompt_not_what_a_continuation_carries():
+    """A continuation's prompt is the client's and the tokens already sent: ``max_prompt_tokens`` (3 here) bounds the
+    first part only (found on real engines: the test app's limit of 200 refused continuations of longer answers)."""
+    app = local_app(app_args(engine_replica={"max_prompt_tokens": 3}))
+    try:
+        app.engine.die_after_chunks = 4
+        body = {"model": MODEL, "prompt": "a b c", "max_tokens": 8, "stream": True}
+        text = _answer(run(post(app, "/v1/completions", body)), stream=True, chat=False)[0]
+        assert text == "".join(f" w{i}" for i in range(8)) and app.engine.load.continued_total == 1
+        assert "at most 3" in error(run(post(app, "/v1/completions", {**body, "prompt": "a b c d"})), 400)["message"]
+    finally:
+        app.shutdown()
+
+
+def test_token_ids_reach_only_a_client_that_asked(app):
     app.engine.die_after_chunks = 2
-    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}))
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "stream": True}))
+    text, ids, finish, usage, _ = _answer(r, stream=True, chat=False)
+    assert (text, ids, finish, usage) == (" w0 w1 w2 w3", [], ["length"], None)  # no usage asked: none sent
+    assert '"prompt_token_ids":[' not in r.text and '"token_ids":[' not in r.text
+    out = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4})).json()
+    assert "token_ids" not in out["choices"][0] and "prompt_token_ids" not in out["choices"][0]
+
+
+def test_engine_dead_mid_stream_is_continued(app):
+    app.engine.engine_dies_after_tokens = 3
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "stream": True}
+    assert _answer(run(post(app, "/v1/completions", body)), stream=True, chat=False)[0] == \
+        " w0 w1 w2 w3 w4 w5"
+    assert app.engine.load.continued_total == 1
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 1}, {"n": 2}, {"stop": ["w5"]}, {"echo": True}])
+def test_what_cannot_be_continued_faithfully_ends_with_an_error_event(app, extra):
+    """Logprobs (earlier positions cannot be re-reported), several choices, stop strings, echo: today's behaviour."""
+    app.engine.die_after_chunks = 2
+    r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True, **extra}))
     assert r.status_code == 200  # the client already had chunks: no retry, no silent cut
     got = events(r.text)
     assert len(got) == 4 and got[-1] == "[DONE]", got
     assert json.loads(got[-2])["error"]["code"] == 500 and "mid-stream" in json.loads(got[-2])["error"]["message"]
+    assert app.engine.load.continued_total == 0
+
+
+def test_no_continuation_beyond_max_attempts():
+    app = local_app(app_args(ingress={"max_attempts": 1}))
+    try:
+        app.engine.die_after_chunks = 2
+        r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}))
+        got = events(r.text)
+        assert json.loads(got[-2])["error"]["code"] == 500 and got[-1] == "[DONE]" and len(got) == 4, got
+        app.engine.die_after_chunks = 2  # not streamed: a 500, nothing sent
+        r = run(post(app, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 8}))
+        assert "ActorDiedError" in error(r, 500)["message"]
+        assert app.engine.load.continued_total == 0
+    finally:
+        app.shutdown()
 
 
 @pytest.mark.parametrize("stream", [False, True])
