@@ -113,6 +113,17 @@ def _wrap(text: str) -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
+def _unmeasured(root: Path) -> list[str]:
+    """What the committed live results lack that a user's day has: the stock arms, sampled traffic."""
+    missing = []
+    if "vllm" not in _load(root, LIVE)["modes"]:
+        missing.append("vLLM's own speculation as a live rival (the rivals above run D-Cut's hooks: `full`, "
+                       "`dynamic`)")
+    if not any((root / LIVE.replace("/live/", f"/live-{kind}/")).exists() for kind in ("sampled", "mixed")):
+        missing.append("sampled traffic (temperature 1, the OpenAI default): every live figure is greedy")
+    return missing
+
+
 def block(root: Path) -> str:
     """The README's status block, markers excluded: one headline per regime, the table, the paired verdicts and the
     data each figure came from (a Markdown reference per file, with the date and commit it records)."""
@@ -131,6 +142,7 @@ def block(root: Path) -> str:
                    f"best other mode ({large['best']['verdict']}).")
     lines += _wrap(f"- **GPU: not measured.** Replayed on a roofline fitted to an H20's costs (a projection), "
                    f"{min(h20):.3f}–{max(h20):.3f}× the best baseline at bs 1–64.")
+    lines += _wrap(f"- **Not measured yet:** {'; '.join(missing)}.") if (missing := _unmeasured(root)) else []
     lines += ["", "| bar: `joint` ÷ … | ≥ | " + " | ".join(f"bs {b}" for b in BATCH_SIZES) + " | data |",
               "|---|---|" + "---|" * len(BATCH_SIZES) + "---|"]
     sources: list[str] = []

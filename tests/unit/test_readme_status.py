@@ -75,3 +75,20 @@ def test_the_deep_cards_quote_the_committed_traces_acceptance(capsys):
     for card in ("models/deep/README.md", "models/deep-dflash/README.md"):
         text = (ROOT / card).read_text()
         assert readme_block(text, "<!-- acceptance:begin -->", "<!-- acceptance:end -->") == printed, card
+
+
+def test_the_status_says_what_the_live_results_do_not_cover(tmp_path):
+    """Until a live run has the stock arm and sampled traffic, the status says so; once it has, it stops saying it."""
+    import json
+
+    from dcut.status_report import LIVE, _unmeasured
+
+    live = tmp_path / LIVE
+    live.parent.mkdir(parents=True)
+    live.write_text(json.dumps({"modes": ["none", "full", "joint"]}))
+    assert [m.split(" ")[0] for m in _unmeasured(tmp_path)] == ["vLLM's", "sampled"]
+    live.write_text(json.dumps({"modes": ["none", "vllm", "joint"]}))
+    mixed = tmp_path / LIVE.replace("/live/", "/live-mixed/")
+    mixed.parent.mkdir(parents=True)
+    mixed.write_text("{}")
+    assert _unmeasured(tmp_path) == []
