@@ -195,8 +195,7 @@ class Progress:
             choice["token_ids"] = c.get("token_ids")
             choices.append(choice)
         out["choices"] = choices
-        if "usage" in data:
-            out["usage"] = data["usage"]
+        out |= {k: data[k] for k in ("usage", "system_fingerprint") if k in data}
         return out
 
     # ---- when the replica dies ---------------------------------------------------------------
@@ -251,10 +250,11 @@ def collected(events: list[dict | str], progress: Progress) -> dict:
     """A non-streaming response from the events of its (internally streamed) request: text or message joined,
     the last finish_reason, the usage; token ids where the client asked for them."""
     text: dict[str, str] = {}
-    role, finish, usage = "assistant", {}, None
+    role, finish, usage, fingerprint = "assistant", {}, None, None
     for event in events:
         if not isinstance(event, dict):
             continue
+        fingerprint = event.get("system_fingerprint") or fingerprint  # vLLM's, on the last chunk
         if event.get("usage"):
             usage = event["usage"]
         for c in event.get("choices") or []:
@@ -283,6 +283,8 @@ def collected(events: list[dict | str], progress: Progress) -> dict:
         out["prompt_token_ids"] = progress.prompt_ids
     if usage is not None:
         out["usage"] = usage
+    if fingerprint is not None:
+        out["system_fingerprint"] = fingerprint
     return out
 
 

@@ -31,7 +31,7 @@ from dcut import telemetry
 from dcut.cost_table import CostTable, cached_table_path
 from dcut.settings import EngineSettings
 from deployments.continuation import CONTINUES
-from deployments.engine import Engine, carried_tokens
+from deployments.engine import Engine, EngineDead, carried_tokens
 from deployments.ray_metrics import ReplicaMetrics
 from deployments.records import CAPACITY_KEY, DEMAND_KEY, CostTableOffer, ReplicaReport, StartupPhases
 from deployments.settings import EngineReplicaSettings
@@ -66,6 +66,7 @@ class EngineReplica:
         self.rs = settings
         self.served_model_name = engine.served_model_name or Path(engine.model).name
         self.controller = controller
+        self._exiting = False  # the engine died: this process is ending (``_engine_died``)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # outside a Serve replica (a plain object, or Serve's local testing mode)
@@ -223,13 +224,36 @@ class EngineReplica:
 
     async def completions(self, body: dict) -> AsyncIterator[Any]:
         carried_tokens.set(self._continuing(body))  # this request's task only (Serve runs each in its own)
-        async for item in self.engine.completions(body):
+        async for item in self._unless_dead(self.engine.completions(body)):
             yield item
 
     async def chat(self, body: dict) -> AsyncIterator[Any]:
         carried_tokens.set(0)  # continuations go to /v1/completions
-        async for item in self.engine.chat(body):
+        async for item in self._unless_dead(self.engine.chat(body)):
             yield item
+
+    async def _unless_dead(self, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        try:
+            async for item in items:
+                yield item
+        except EngineDead:
+            self._engine_died()
+            raise
+
+    # What ends this process when its engine died (``os._exit``; the mock app's tests record the call instead).
+    exit_process = staticmethod(os._exit)
+
+    def _engine_died(self) -> None:
+        """The engine died inside this live replica: end the process. A replica that only failed its health checks
+        answered every request routed to it at once with an error, and Serve's routers, which prefer the shortest
+        queue, sent it more (measured: 169 of 634 requests failed in the 32-client drill); a dead process is
+        noticed by every router and by Serve at once, and each of its requests is retried or continued elsewhere."""
+        if self._exiting:
+            return
+        self._exiting = True
+        logger.error("replica %s: its engine died (%s); ending the process so Serve replaces it", self.replica_id,
+                     self.engine.dead)
+        asyncio.get_running_loop().call_soon(self.exit_process, 1)
 
     def _continuing(self, body: dict) -> int:
         """The tokens a continuation carries over (0 for any other request), its mark
@@ -246,7 +270,11 @@ class EngineReplica:
         return await self.engine.models()
 
     async def check_health(self) -> None:
-        await self.engine.check_health()
+        try:
+            await self.engine.check_health()
+        except EngineDead:
+            self._engine_died()
+            raise
 
     def __del__(self):
         task = getattr(self, "_telemetry", None)

@@ -5,12 +5,15 @@ requests, and measure what the clients saw. HTTP to 127.0.0.1 only; bounded in u
     python -m loadtest.faults --users 16 [--api-key KEY]      # against an app already served here (make serve)
 
 The drill opens one long stream (the probe), finds the replica serving it from ``/dcut/status``, starts ``users``
-clients posting non-streaming completions in a loop, SIGKILLs the probe's replica (its process, found in the
-local Ray cluster's actor table), keeps the clients going for ``load_s`` seconds (then counts the replica's child
-processes, its vLLM engine core, still alive: they must die with it), then waits until
+clients posting non-streaming completions in a loop (and ``streaming_users`` posting streams), SIGKILLs the probe's
+replica (its process, found in the local Ray cluster's actor table; ``--kill engine-core``: only its vLLM engine core
+process, so the replica lives on with a dead engine), keeps the clients going for ``load_s`` seconds (then counts the
+replica's child processes, its vLLM engine core, still alive: they must die with it), then waits until
 ``/dcut/status`` lists as many replicas as before again (or ``timeout``). It reports every request's outcome,
-how the probe stream ended, how long the dead replica stayed in the status, and how long until a replacement
-reported.
+how the probe stream ended, the continuations the replicas took over (issue 64), how long the dead replica stayed
+in the status, and how long until a replacement reported.
+
+    python -m loadtest.faults --users 16 --streaming-users 16 --kill engine-core --max-tokens 64
 """
 
 from __future__ import annotations
@@ -107,8 +110,12 @@ def replica_pid(name_part: str) -> int:
 class KillReport:
     users: int
     max_tokens: int
+    streaming_users: int = 0
+    kill: str = "replica"  # or "engine-core": the replica's vLLM engine core process only
     killed_replica: str = ""
-    outcomes: dict[str, int] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)  # the non-streaming clients'
+    stream_outcomes: dict[str, int] = field(default_factory=dict)  # the streaming clients' ("cut", "error": failed)
+    continuations: int = 0  # requests the live replicas took over from the killed one (their continued_total)
     probe_stream: str = ""
     dropped_from_status_s: float | None = None
     replaced_s: float | None = None
@@ -118,24 +125,40 @@ class KillReport:
 
     @property
     def requests(self) -> int:
-        return sum(self.outcomes.values())
+        return sum(self.outcomes.values()) + sum(self.stream_outcomes.values())
 
     @property
     def failed(self) -> int:
-        return sum(n for k, n in self.outcomes.items() if k != "200")
+        return sum(n for outcomes in (self.outcomes, self.stream_outcomes) for k, n in outcomes.items() if k != "200")
 
 
 async def _replicas(client: httpx.AsyncClient) -> list[dict]:
     return (await client.get("/dcut/status", timeout=30)).json()["replicas"]
 
 
+def _continued(replicas: list[dict]) -> int:
+    return sum(r["load"].get("continued_total", 0) for r in replicas)
+
+
+def engine_cores(pid: int) -> list[psutil.Process]:
+    """The vLLM engine core processes under the replica process ``pid`` (vLLM titles them ``VLLM::EngineCore``)."""
+    def named(p: psutil.Process) -> bool:
+        try:
+            return "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+    return [p for p in psutil.Process(pid).children(recursive=True) if named(p)]
+
+
 async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max_tokens: int = 32,
                      probe_tokens: int = 240, warmup_s: float = 1.0, load_s: float = 20.0, timeout_s: float = 180.0,
-                     until_replaced: bool = True) -> KillReport:
-    """SIGKILL the replica serving a long stream while ``users`` clients send completions (module docstring);
-    ``until_replaced=False`` stops once the load is over and the dead replica left the status."""
+                     until_replaced: bool = True, streaming_users: int = 0, kill: str = "replica") -> KillReport:
+    """SIGKILL the replica serving a long stream (``kill="engine-core"``: its engine core only) while ``users``
+    clients send completions and ``streaming_users`` clients streams (module docstring); ``until_replaced=False``
+    stops once the load is over and the dead replica left the status."""
     assert client.base_url.host in LOCAL, "fault drills run against this machine only"
-    report = KillReport(users=users, max_tokens=max_tokens)
+    assert kill in ("replica", "engine-core"), kill
+    report = KillReport(users=users, max_tokens=max_tokens, streaming_users=streaming_users, kill=kill)
     before = await _replicas(client)
     probe_body = {"model": model, "prompt": "Hello", "max_tokens": probe_tokens, "ignore_eos": True, "stream": True}
     first_chunk = asyncio.Event()
@@ -157,7 +180,7 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
         await asyncio.sleep(0.25)
     victim = report.killed_replica = busy[0]["replica_id"]
     body = {"model": model, "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True}
-    async with Load(client, body, users) as load:
+    async with Load(client, body, users) as load, Load(client, {**body, "stream": True}, streaming_users) as streams:
         await asyncio.sleep(warmup_s)
         t0 = time.monotonic()
         if probe_task.done():  # nothing left to break: the drill would test nothing about streams
@@ -165,11 +188,21 @@ async def kill_drill(client: httpx.AsyncClient, model: str, users: int = 16, max
         pid = replica_pid(f"#{victim}")
         children = psutil.Process(pid).children(recursive=True)
         report.children = len(children)
-        os.kill(pid, signal.SIGKILL)
+        if kill == "replica":
+            os.kill(pid, signal.SIGKILL)
+        else:
+            cores = engine_cores(pid)
+            assert cores, f"no engine core process under replica {victim} (pid {pid})"
+            for core in cores:
+                core.send_signal(signal.SIGKILL)
         await _watch(client, victim, len(before), report, t0, t0 + load_s, done=lambda r: False)
     report.orphans = sum(alive(c) for c in children)
     report.probe_stream = await probe_task
-    report.outcomes = dict(load.outcomes)
+    report.outcomes, report.stream_outcomes = dict(load.outcomes), dict(streams.outcomes)
+    # what the other replicas took over, from their next reports (every 1-2 s; the victim's count dies with it)
+    await asyncio.sleep(2.5)
+    others = [r for r in await _replicas(client) if r["replica_id"] != victim]
+    report.continuations = _continued(others) - _continued([r for r in before if r["replica_id"] != victim])
     seen = "replaced_s" if until_replaced else "dropped_from_status_s"
     await _watch(client, victim, len(before), report, t0, t0 + timeout_s,
                  done=lambda r: getattr(r, seen) is not None)
@@ -207,7 +240,7 @@ def drill(opts, model: str) -> None:
     async def run() -> KillReport:
         async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:
             return await kill_drill(client, model, opts.users, opts.max_tokens, load_s=opts.load_s,
-                                    timeout_s=opts.timeout)
+                                    timeout_s=opts.timeout, streaming_users=opts.streaming_users, kill=opts.kill)
 
     try:
         ray.init(address="auto", log_to_driver=False)
@@ -224,6 +257,9 @@ def main() -> None:
     p.add_argument("--model", help="Model name (default: the --config's served model name, else the first one "
                    "the app lists).")
     p.add_argument("--users", type=int, default=16)
+    p.add_argument("--streaming-users", type=int, default=0, help="Clients posting streams beside --users.")
+    p.add_argument("--kill", choices=("replica", "engine-core"), default="replica",
+                   help="SIGKILL the probe's replica process, or only its vLLM engine core (the replica lives on).")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
     p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")

@@ -91,7 +91,10 @@ def local_app(args: dict | None = None, engine_cls: type = MockEngine) -> LocalA
     ingress_handle = serve.run(compose_app(args or app_args(), engine_cls=engine_cls), _local_testing_mode=True)
     ingress = local_object(ingress_handle)
     api.dependency_overrides[_servable_dependency()] = lambda: ingress
-    return LocalApp(ingress, local_object(ingress.engine), local_object(ingress.controller),
+    replica = local_object(ingress.engine)
+    replica.exits = []  # a replica whose engine died ends its process (``EngineReplica.exit_process``): recorded here
+    replica.exit_process = replica.exits.append
+    return LocalApp(ingress, replica, local_object(ingress.controller),
                     [ingress_handle, ingress.engine, ingress.controller])
 
 

@@ -623,6 +623,105 @@ def test_scale_down_under_load_drains(apps, tiny_models, tmp_path):
     wait_until(lambda: "drain" not in serve.status().applications, 90, "deletion of the drain app")
 
 
+def _outcome(r: httpx.Response | str, chat: bool) -> dict:
+    """Text, token ids, finish reasons, usage and response ids of a response (a stream's SSE text, or a response)."""
+    if isinstance(r, httpx.Response):
+        assert r.status_code == 200, r.text
+        out = r.json()
+        (choice,) = out["choices"]
+        usage = {k: v for k, v in out["usage"].items() if k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        return {"text": choice["message"]["content"] if chat else choice["text"], "ids": choice["token_ids"],
+                "finish": [choice["finish_reason"]], "usage": [usage], "response_ids": [out["id"]]}
+    events = [line[len("data: "):] for line in r.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], [c for c in chunks if "error" in c]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    usage = [{k: v for k, v in c["usage"].items() if k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+             for c in chunks if c.get("usage")]
+    return {"text": "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices),
+            "ids": [t for c in choices for t in c.get("token_ids") or []],
+            "finish": [c["finish_reason"] for c in choices if c["finish_reason"]], "usage": usage,
+            "response_ids": sorted({c["id"] for c in chunks})}
+
+
+def _continued(client) -> dict[str, int]:
+    """Each live replica's count of requests it took over from one that died."""
+    return {r["replica_id"]: r["load"]["continued_total"] for r in _status(client)["replicas"]}
+
+
+def _two_replicas(client, without: str | None = None) -> None:
+    def ready() -> bool:
+        ids = {r["replica_id"] for r in _status(client)["replicas"]}
+        return len(ids) == 2 and without not in ids
+
+    wait_until(ready, 240, "two engine replicas reporting (the killed one replaced)", every_s=1)
+
+
+def _kill_serving_replica(client) -> str:
+    """SIGKILL the one replica that reports a request inside its engine (only the test's is in flight)."""
+    from loadtest.faults import replica_pid
+
+    busy: list[dict] = []
+
+    def one_busy() -> bool:
+        busy[:] = [r for r in _status(client)["replicas"] if r["load"]["engine_requests"] > 0]
+        return len(busy) == 1
+
+    wait_until(one_busy, 10, lambda: f"one replica serving the request: {busy}", every_s=0.1)
+    os.kill(replica_pid(f"#{busy[0]['replica_id']}"), 9)
+    return busy[0]["replica_id"]
+
+
+@pytest.mark.parametrize("case", ["chat-stream", "completion-stream", "chat-not-streamed"])
+def test_request_continued_after_its_replica_is_killed_equals_the_unkilled_run(client, case):
+    """Issue 64: a greedy request of ~1,000 tokens whose replica is SIGKILLed mid-generation is continued on the
+    other replica from the tokens already sent: its text and token ids equal those of the same request run without a
+    kill, with one finish_reason, one response id and the original request's usage; the survivor counts the
+    continuation. Each case waits for the killed replica's replacement, so every kill leaves a replica to go on."""
+    chat, stream = case.startswith("chat"), case.endswith("-stream")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": 960, "temperature": 0, "ignore_eos": True, "stream": stream,
+            "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": "def add(a, b):"}]} if chat else {"prompt": "def add(a, b):"}),
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+    _two_replicas(client)
+    whole = _outcome(client.post(path, json=body) if not stream else client.post(path, json=body).text, chat)
+    # a report still showing the run above would name the wrong replica to kill
+    wait_until(lambda: not any(r["load"]["engine_requests"] for r in _status(client)["replicas"]), 20,
+               "every replica reporting itself idle")
+    continued = _continued(client)
+
+    async def killed() -> tuple[httpx.Response | str, str]:
+        async with httpx.AsyncClient(base_url=BASE, headers=AUTH, timeout=240) as c:
+            if not stream:
+                request = asyncio.create_task(c.post(path, json=body))
+                victim = await asyncio.to_thread(_kill_serving_replica, client)
+                return await request, victim
+            victim, lines = None, []
+            async with c.stream("POST", path, json=body) as r:
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if victim is None and len(lines) >= 40:  # ~20 chunks out: mid-stream
+                        victim = await asyncio.to_thread(_kill_serving_replica, client)
+            return "\n".join(lines), victim
+
+    t0 = time.monotonic()
+    answer, victim = asyncio.run(killed())
+    took = time.monotonic() - t0
+    got = _outcome(answer, chat)
+    print(f"{case}: replica {victim[:8]} killed mid-generation; {len(got['ids'])} tokens in {took:.1f} s")
+    assert got["text"] == whole["text"] and got["ids"] == whole["ids"], (got["text"][:200], whole["text"][:200])
+    assert len(got["ids"]) == 960 and got["finish"] == whole["finish"] == ["length"]
+    assert got["usage"] == whole["usage"] and len(got["response_ids"]) == 1
+
+    def counted() -> bool:  # by the replica it moved to (the victim's own count left with it)
+        return sum(n - continued.get(rid, 0) for rid, n in _continued(client).items() if rid != victim) >= 1
+
+    wait_until(counted, 20, "the continuation counted by the replica it moved to")
+    _two_replicas(client, without=victim)
+
+
 def test_replica_sigkill_under_load(client):
     """SIGKILL of the replica serving a stream, under concurrent non-streaming load: no request fails (those
     that had no byte yet are retried on the other replica, those with tokens out continued there), the stream is

@@ -22,10 +22,11 @@ def completion_chunk(text: str, ids: list[int], finish: str | None = None, promp
          "prompt_token_ids": prompt_ids, "token_ids": ids}]})
 
 
-def usage_chunk(prompt: int, completion: int, rid: str = "cmpl-a", obj: str = "text_completion") -> str:
-    return sse({"id": rid, "object": obj, "created": 1, "model": "tiny", "choices": [],
+def usage_chunk(prompt: int, completion: int, rid: str = "cmpl-a", fingerprint: str | None = None) -> str:
+    return sse({"id": rid, "object": "text_completion", "created": 1, "model": "tiny", "choices": [],
                 "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 3}}})
+                          "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": 3}},
+                **({"system_fingerprint": fingerprint} if fingerprint else {})})
 
 
 @pytest.mark.parametrize(("route", "extra", "why"), [
@@ -96,7 +97,7 @@ def test_a_chat_continued_on_completions_is_written_as_chat_chunks():
     assert "messages" not in cont and "chat_template_kwargs" not in cont and "max_completion_tokens" not in cont
     got += p.take(completion_chunk("y", [22], prompt_ids=[1, 2, 3, 21], rid="cmpl-z"))
     got += p.take(completion_chunk("", [], finish="stop", rid="cmpl-z"))
-    got += p.take(usage_chunk(4, 1, rid="cmpl-z"))
+    got += p.take(usage_chunk(4, 1, rid="cmpl-z", fingerprint="vllm-x"))
     assert {c["object"] for c in got} == {"chat.completion.chunk"} and {c["id"] for c in got} == {"chatcmpl-a"}
     out = collected(got + [DONE], p)
     assert out["object"] == "chat.completion" and out["id"] == "chatcmpl-a"
@@ -104,6 +105,7 @@ def test_a_chat_continued_on_completions_is_written_as_chat_chunks():
                                "token_ids": [21, 22]}]
     assert out["prompt_token_ids"] == [1, 2, 3]
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert out["system_fingerprint"] == "vllm-x"
 
 
 def test_a_chat_without_a_budget_continues_to_what_the_context_leaves():

@@ -257,7 +257,8 @@ def test_no_continuation_beyond_max_attempts():
 @pytest.mark.parametrize("stream", [False, True])
 def test_engine_dead_inside_a_live_replica_counts_as_its_death(app, stream):
     """vLLM's EngineDeadError inside a live replica (issue 64): not a 500 of the request but the replica's death, so
-    the request is tried again before its first byte, and the replica fails its health check from then on."""
+    the request is tried again before its first byte; the replica ends its process (here: records that it would)
+    and fails its health check from then on."""
     from deployments.engine import EngineDead
 
     run(app.replica.check_health())
@@ -267,6 +268,7 @@ def test_engine_dead_inside_a_live_replica_counts_as_its_death(app, stream):
     assert app.engine.engine_dies_after_tokens is None and app.engine.load.failed_total == 0
     with pytest.raises(EngineDead, match="mock engine core died"):
         run(app.replica.check_health())
+    assert app.replica.exits == [1]  # once
 
 
 def test_back_pressure_is_503_with_retry_after(app):
