@@ -9,6 +9,7 @@ settings are a 400 naming the setting, the replica's counters reach ``/dcut/stat
 from __future__ import annotations
 
 import gc
+import json
 import os
 from pathlib import Path
 
@@ -129,7 +130,10 @@ def test_served_usage_reports_thinking_and_the_exit(reasoning_app):
     assert "</think>" in on.json()["choices"][0]["text"]
     stream = httpx.post(f"{reasoning_app}/v1/completions", timeout=120, json={
         **body, "stream": True, "stream_options": {"include_usage": True}}).text
-    assert '"specexit": {"exits": 1' in stream and stream.rstrip().endswith("data: [DONE]")
+    # parsed, not matched as text: the ingress writes the chunks it relays compactly (deployments.continuation)
+    streamed = [json.loads(line[len("data: "):]) for line in stream.splitlines() if line.startswith("data: {")]
+    assert [c["usage"]["specexit"]["exits"] for c in streamed if c.get("usage")] == [1]
+    assert stream.rstrip().endswith("data: [DONE]")
     bad = httpx.post(f"{reasoning_app}/v1/completions", json={**body, "specexit": {"alpha": 5}}, timeout=30)
     assert bad.status_code == 400 and "alpha" in bad.json()["error"]["message"]
 
