@@ -199,6 +199,14 @@ class Ingress:
             return JSONResponse({"error": errors[0]}, status_code=int(errors[0].get("code") or 500))
         return JSONResponse(continuation.collected(got, progress))
 
+    def _broken_stream(self, e: Exception) -> tuple[str, str]:
+        """The end of a stream whose replica failed after chunks were sent: an OpenAI-style error event and
+        ``[DONE]``, so the client sees the failure, not a silent cut."""
+        logger.warning("engine replica failed mid-stream: %s", type(e).__name__)
+        self.metrics.broken_streams.inc()
+        err = error_body(f"Engine replica failed mid-stream: {type(e).__name__}", 500, "InternalServerError")
+        return f"data: {json.dumps(err)}\n\n", "data: [DONE]\n\n"
+
     async def _chunks(self, first: str, rest) -> AsyncIterator[str]:
         """The engine's SSE chunks. A replica that fails after chunks were sent cannot be retried: the stream
         ends with an OpenAI-style error event and ``[DONE]``, so the client sees the failure, not a silent cut."""
@@ -207,11 +215,8 @@ class Ingress:
             async for chunk in rest:
                 yield chunk
         except Exception as e:  # noqa: BLE001 - the replica died or failed mid-stream
-            logger.warning("engine replica failed mid-stream: %s", type(e).__name__)
-            self.metrics.broken_streams.inc()
-            err = error_body(f"Engine replica failed mid-stream: {type(e).__name__}", 500, "InternalServerError")
-            yield f"data: {json.dumps(err)}\n\n"
-            yield "data: [DONE]\n\n"
+            for line in self._broken_stream(e):
+                yield line
         finally:
             rest.cancel()  # the client went away (or we are done): abort the engine request
 
@@ -274,11 +279,8 @@ class Ingress:
                 async for event in events:
                     yield continuation.sse(event)
         except Exception as e:  # noqa: BLE001 - the replica died or failed mid-stream
-            logger.warning("engine replica failed mid-stream: %s", type(e).__name__)
-            self.metrics.broken_streams.inc()
-            err = error_body(f"Engine replica failed mid-stream: {type(e).__name__}", 500, "InternalServerError")
-            yield f"data: {json.dumps(err)}\n\n"
-            yield "data: [DONE]\n\n"
+            for line in self._broken_stream(e):
+                yield line
 
     # ---- routes -------------------------------------------------------------------------------
 
