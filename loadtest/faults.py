@@ -239,7 +239,7 @@ def drill(opts, model: str) -> None:
 
     async def run() -> KillReport:
         async with httpx.AsyncClient(base_url=opts.base_url, headers=headers, timeout=300) as client:
-            return await kill_drill(client, model, opts.users, opts.max_tokens, load_s=opts.load_s,
+            return await kill_drill(client, model, opts.users, opts.max_tokens, opts.probe_tokens, load_s=opts.load_s,
                                     timeout_s=opts.timeout, streaming_users=opts.streaming_users, kill=opts.kill)
 
     try:
@@ -261,6 +261,9 @@ def main() -> None:
     p.add_argument("--kill", choices=("replica", "engine-core"), default="replica",
                    help="SIGKILL the probe's replica process, or only its vLLM engine core (the replica lives on).")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--probe-tokens", type=int, default=960,
+                   help="The probe stream's tokens: long enough that a replica reports it before it ends (the deep "
+                   "pair emits 240 in about a second), within the model's context.")
     p.add_argument("--load-s", type=float, default=20.0, help="Seconds of load after the kill.")
     p.add_argument("--timeout", type=float, default=180.0, help="Longest wait for a replacement replica (s).")
     p.add_argument("--config", type=Path, help="Serve this config (`serve run`, its own local Ray) for the drill; "
