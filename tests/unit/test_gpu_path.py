@@ -216,3 +216,21 @@ def test_vllm_adaptive_verification_needs_full_graphs_and_not_dcut() -> None:
         _with_adaptive_verification(VLLM_DFLASH.model_copy(update={"enforce_eager": True}))
     with pytest.raises(ValueError, match="Model Runner V1 does not support: adaptive draft verification"):
         _with_adaptive_verification(DCUT)
+
+
+@pytest.mark.usefixtures("cuda")
+def test_make_compare_builds_every_arm_as_its_user_would_run_it() -> None:
+    """``dcut compare``'s arms as the Makefile names them, built in one process as it builds them: the D-Cut arms
+    run V1, synchronous, piecewise; the arms a user runs instead keep what vLLM gives them on CUDA."""
+    import re
+
+    from dcut.bench.interleaved import arms_for
+
+    modes = re.search(r"^compare:.*?--modes (\S+)", (ROOT / "Makefile").read_text(), re.M | re.S)[1].split(",")
+    arms = arms_for(DCUT, modes, [(1, 1, 15), (2, 4, 7), (5, 64, 3)])
+    resolved = {a.name: _resolved(engine_config(a.settings)) for a in arms}
+    dcut = {a.name for a in arms if a.settings.with_dcut}
+    assert dcut == {"full", "dynamic", "joint", "joint-noshift"}
+    assert {resolved[m] for m in dcut} == {(False, False, "PIECEWISE")}
+    # (vLLM keeps full graphs for its per-batch-size K on V2; on V1 it makes them piecewise, as tested above)
+    assert resolved["none"] == resolved["vllm"] == resolved["vllm-dynamic"] == (True, True, "FULL_AND_PIECEWISE")
