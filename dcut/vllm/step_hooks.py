@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm.sampling_params import SamplingType
 
 from dcut.vllm.catch_up import ContextStash
 from dcut.vllm.runner_hooks import hooks_for
@@ -172,13 +173,14 @@ def context_positions(runner: Any) -> torch.Tensor:
 
 
 def _cap_inputs(requests: dict[str, Any], req_id: str) -> tuple[dict | None, bool]:
-    """A request's ``SamplingParams.extra_args``, where its cap travels, and whether it is seeded and sampled
-    (``dcut.speculation.cap_of``); (None, False) for a dummy step's requests."""
+    """A request's ``SamplingParams.extra_args``, where its cap travels, and whether it is seeded and sampled as
+    vLLM reads it (``SamplingType.RANDOM_SEED``; ``dcut.speculation.cap_of``); (None, False) for a dummy step's
+    requests."""
     cached = requests.get(req_id)
     params = None if cached is None else getattr(cached, "sampling_params", None)
     if params is None:
         return None, False
-    return params.extra_args, params.seed is not None and params.temperature > 0
+    return params.extra_args, params.sampling_type == SamplingType.RANDOM_SEED
 
 
 def _agreed(runner: Any, width: int) -> int:
