@@ -354,19 +354,21 @@ def _steady(llm: Any, prompts: list, bs: int, requests: int, params: Sampling) -
         raise RuntimeError(f"no window of steady concurrency: {requests} requests at bs {bs} (need more than "
                            f"{first + 1})")
     engine = llm.llm_engine
-    deltas = {}
-    for kind in (params.greedy, params.sampled):
-        deltas[id(kind)] = kind.clone()
-        deltas[id(kind)].output_kind = RequestOutputKind.DELTA
+    def delta(kind: Any) -> Any:
+        kind = kind.clone()
+        kind.output_kind = RequestOutputKind.DELTA
+        return kind
+
+    deltas = Sampling(params.kind, delta(params.greedy), delta(params.sampled))
     out: list[list[int]] = [[] for _ in range(requests)]
     admitted = tokens = 0
     start = end = None
 
     def admit() -> None:
         nonlocal admitted
-        delta = deltas[id(params.of(admitted))]
+        request = deltas.of(admitted)
         engine.add_request(f"steady-{admitted}", prompts[admitted % len(prompts)],
-                           first_wave(delta, admitted, bs) if admitted < bs else delta)
+                           first_wave(request, admitted, bs) if admitted < bs else request)
         admitted += 1
 
     while admitted < bs:
