@@ -8,7 +8,6 @@ start. Checked for one 80 GB GPU with the deep pair and with a Qwen3-8B-sized pa
 from __future__ import annotations
 
 import json
-import re
 import struct
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -19,11 +18,11 @@ from dcut.bench.interleaved import arms_for
 from dcut.memory import GpuMemoryError, engine_need, on_this_gpu, split_gpu_memory, with_gpu_shares
 from dcut.settings import EMBEDDED_MODELS, EngineSettings
 from dcut.vllm.engine import engine_kwargs
+from tests.make_targets import compare_modes
 
 GPU_80GB = 80 * 10**9
 ROOT = Path(__file__).resolve().parents[2]
-# the Makefile's `compare` arms, read from it
-MAKE_COMPARE = re.search(r"^compare:.*?--modes (\S+)", (ROOT / "Makefile").read_text(), re.M | re.S)[1].split(",")
+MAKE_COMPARE = compare_modes()  # the Makefile's `compare` arms
 
 
 def _folder(path: Path, parameters: int, layers: int) -> str:

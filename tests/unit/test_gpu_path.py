@@ -222,12 +222,10 @@ def test_vllm_adaptive_verification_needs_full_graphs_and_not_dcut() -> None:
 def test_make_compare_builds_every_arm_as_its_user_would_run_it() -> None:
     """``dcut compare``'s arms as the Makefile names them, built in one process as it builds them: the D-Cut arms
     run V1, synchronous, piecewise; the arms a user runs instead keep what vLLM gives them on CUDA."""
-    import re
-
     from dcut.bench.interleaved import arms_for
+    from tests.make_targets import compare_modes
 
-    modes = re.search(r"^compare:.*?--modes (\S+)", (ROOT / "Makefile").read_text(), re.M | re.S)[1].split(",")
-    arms = arms_for(DCUT, modes, [(1, 1, 15), (2, 4, 7), (5, 64, 3)])
+    arms = arms_for(DCUT, compare_modes(), [(1, 1, 15), (2, 4, 7), (5, 64, 3)])
     resolved = {a.name: _resolved(engine_config(a.settings)) for a in arms}
     dcut = {a.name for a in arms if a.settings.with_dcut}
     assert dcut == {"full", "dynamic", "joint", "joint-noshift"}
