@@ -46,8 +46,10 @@ def app(ray_cluster, tiny_models, tmp_path_factory):
                        "num_speculative_tokens": 7, "max_num_seqs": 16, "max_model_len": 512,
                        "max_num_batched_tokens": 128, "enforce_eager": True, "served_model_name": MODEL,
                        "dcut": dcut},
+            # a queue as long as the burst: Serve's router may hold part of it before a replica takes it, and a
+            # 503 from back-pressure is not what this test is about (seen once in four runs with 16)
             "engine_replica": {"num_cpus": 0.2, "telemetry_interval_s": 1.0, "max_ongoing_requests": 16,
-                               "max_queued_requests": 16, "profile_wait_s": 300,
+                               "max_queued_requests": 24, "profile_wait_s": 300,
                                "env": {**engine_env(kv_cache_gib=1), "PYTHONPATH": str(REPO)},
                                "autoscaling": {"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2}},
             "ingress": {"num_cpus": 0.02}, "controller": {"num_cpus": 0.02}}
